@@ -1,0 +1,48 @@
+"""What every Triton kernel module shares: interpreter detection, the TMA allocator, SM count, output allocation.
+
+Under TRITON_INTERPRET=1 (CPU CI) kernels run on numpy, where bf16 `tl.dot` is
+wrong (ENVIRONMENT.md): kernels take `UPCAST=INTERPRET` and upcast dot operands
+to fp32 there, and skip TMA descriptors where the interpreter lacks them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Test hook: fill every kernel output with NaN before the kernel runs, so unwritten elements show.
+POISON_OUTPUTS = os.environ.get("SERVAL_POISON_OUTPUTS", "0") == "1"
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """An output buffer (NaN-filled, or int -1, when POISON_OUTPUTS is set)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None = None) -> int:
+    if INTERPRET or not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def supports_tma() -> bool:
+    return (not INTERPRET) and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _tma_workspace(size: int, alignment: int, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+@functools.lru_cache(maxsize=None)
+def install_tma_allocator() -> None:
+    """Device-side tensor descriptors (`tl.make_tensor_descriptor`) need a global scratch allocator."""
+    triton.set_allocator(_tma_workspace)

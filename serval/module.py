@@ -1,0 +1,92 @@
+"""`serval.MoE`: a drop-in mixture-of-experts block (router, routed SwiGLU experts, optional shared expert).
+
+The router is a bias-free linear layer computed in fp32; scores are a softmax
+over all experts (renormalised over the top-k by default off) or per-expert
+sigmoids (renormalised by default on, as in DeepSeek-V3-style routers). Ties in
+top-k are broken by torch.topk, which is deterministic for a given device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .api import moe
+from .config import Config
+
+
+class MoE(nn.Module):
+    """y = shared(x) + sum over the top-k experts of score * expert(x), for x [..., hidden_size].
+
+    num_experts is the global expert count; with an expert-parallel `group` this rank holds
+    num_experts / group.size() of them (expert e on rank e // E_local).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 shared_intermediate_size: int | None = None, scoring: str = "softmax",
+                 renormalize: bool | None = None, swiglu_limit: float | None = None,
+                 config: Config | None = None, group=None, device=None, dtype=None):
+        super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        ep_size = 1 if group is None else group.size()
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.scoring = scoring
+        self.renormalize = (scoring == "sigmoid") if renormalize is None else renormalize
+        self.swiglu_limit, self.config, self.group = swiglu_limit, config or Config(), group
+        factory = dict(device=device, dtype=dtype)
+        local = num_experts // ep_size
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.w_gate = nn.Parameter(torch.empty(local, intermediate_size, hidden_size, **factory))
+        self.w_up = nn.Parameter(torch.empty(local, intermediate_size, hidden_size, **factory))
+        self.w_down = nn.Parameter(torch.empty(local, hidden_size, intermediate_size, **factory))
+        self.shared = None
+        if shared_intermediate_size:
+            self.shared = nn.ModuleDict({
+                "gate": nn.Linear(hidden_size, shared_intermediate_size, bias=False, **factory),
+                "up": nn.Linear(hidden_size, shared_intermediate_size, bias=False, **factory),
+                "down": nn.Linear(shared_intermediate_size, hidden_size, bias=False, **factory),
+            })
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """nn.Linear's default init for every expert matrix (uniform +-1/sqrt(fan_in)); a small router."""
+        for w in (self.w_gate, self.w_up, self.w_down):
+            bound = 1 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
+        nn.init.normal_(self.router.weight, std=0.02)
+        if self.shared is not None:
+            for linear in self.shared.values():
+                linear.reset_parameters()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(router_weights [N, k] fp32, topk_ids [N, k]) for tokens x [N, H]."""
+        logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
+        weights, ids = scores.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size).contiguous()
+        router_weights, topk_ids = self.route(tokens)
+        shared = None
+        if self.shared is not None:
+            shared = (self.shared["gate"].weight, self.shared["up"].weight, self.shared["down"].weight)
+        y = moe(tokens, router_weights, topk_ids, self.w_gate, self.w_up, self.w_down, shared,
+                group=self.group, config=self.config, swiglu_limit=self.swiglu_limit)
+        return y.view(shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.w_gate.shape[1]}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, "
+                f"shared={self.shared is not None}")

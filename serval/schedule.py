@@ -1,0 +1,128 @@
+"""The routing schedule: which rows each expert computes, in which order, and where they came from.
+
+One table drives every stage of the layer: the token gather, the grouped GEMMs
+(forward, data gradients and weight gradients), the combine, and (with expert
+parallelism) the pull dispatch and push combine between ranks. It is built on
+the device from `topk_ids` by sort/searchsorted/cumsum, with no host sync; every
+shape comes from a capacity known before the data is seen.
+
+Layout (EP=1; N tokens, k slots, E experts, M = block_m):
+
+* a *source* is one (token, slot) pair, numbered ``source = token * k + slot``
+  (row-major over ``topk_ids``). With expert parallelism the token index becomes
+  the global one, ``rank * N + token``, so rows keep the same order at any EP size.
+* the *rows* of the routed buffer are grouped by expert: expert e owns the segment
+  ``[expert_offsets[e], expert_offsets[e + 1])``, its ``tokens_per_expert[e]``
+  rows first, in ascending source order (token-major, then slot), then zero
+  padding up to a multiple of M. Every M-tile of rows therefore belongs to exactly
+  one expert, which is what the grouped GEMMs and the weight gradients iterate over.
+* ``row_source[r]`` is the source of row r, -1 for a padding row.
+* ``source_row[t, j]`` is the row holding (t, j): the combine reads a token's k
+  rows through it in slot order, and ``d_x`` sums them in the same order.
+* ``tile_expert[i]`` is the expert of M-tile i, -1 for a tile past the used rows;
+  ``expert_offsets[E] // M`` is the number of used tiles.
+
+Capacity: at most ``N*k`` real rows plus ``M - 1`` padding rows for each expert that
+has rows, so ``capacity_rows = M * floor((N*k + min(E, N*k) * (M - 1)) / M)`` holds
+any routing, however skewed: at EP=1 nothing can overflow and nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def capacity_rows(num_sources: int, num_experts: int, block_m: int) -> int:
+    """Rows the routed buffer needs for `num_sources` (token, slot) pairs of any routing."""
+    padded = num_sources + min(num_experts, num_sources) * (block_m - 1)
+    return block_m * (padded // block_m)
+
+
+@dataclasses.dataclass
+class Schedule:
+    """Device-side routing table (see module docstring); int32 tensors on the device of topk_ids."""
+
+    tokens_per_expert: torch.Tensor  # [E]
+    expert_offsets: torch.Tensor  # [E + 1], multiples of block_m
+    row_source: torch.Tensor  # [capacity]
+    source_row: torch.Tensor  # [N, k]
+    tile_expert: torch.Tensor  # [capacity // block_m]
+    num_experts: int
+    block_m: int
+
+    @property
+    def capacity(self) -> int:
+        return self.row_source.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.source_row.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.source_row.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors, in field order (what autograd saves for backward)."""
+        return (self.tokens_per_expert, self.expert_offsets, self.row_source, self.source_row, self.tile_expert)
+
+    @classmethod
+    def from_tensors(cls, tensors, num_experts: int, block_m: int) -> "Schedule":
+        return cls(*tensors, num_experts=num_experts, block_m=block_m)
+
+
+def build_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
+    """Build the schedule for `topk_ids` [N, k] (expert ids in [0, num_experts)); no host sync."""
+    num_tokens, top_k = topk_ids.shape
+    device = topk_ids.device
+    num_sources = num_tokens * top_k
+    capacity = capacity_rows(num_sources, num_experts, block_m)
+
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    # stable: within an expert, sources stay in ascending (token, slot) order
+    sorted_ids, sorted_source = torch.sort(flat_ids, stable=True)
+    experts = torch.arange(num_experts + 1, device=device, dtype=torch.int64)
+    first_sorted = torch.searchsorted(sorted_ids, experts)  # [E + 1]
+    tokens_per_expert = first_sorted[1:] - first_sorted[:-1]
+    padded = (tokens_per_expert + block_m - 1) // block_m * block_m
+    expert_offsets = torch.zeros(num_experts + 1, device=device, dtype=torch.int64)
+    expert_offsets[1:] = torch.cumsum(padded, 0)
+
+    rank_in_expert = torch.arange(num_sources, device=device) - first_sorted[sorted_ids]
+    row_of_sorted = expert_offsets[sorted_ids] + rank_in_expert
+    row_source = torch.full((capacity,), -1, device=device, dtype=torch.int32)
+    row_source[row_of_sorted] = sorted_source.to(torch.int32)  # a permutation: no two writes collide
+    source_row = torch.empty(num_sources, device=device, dtype=torch.int32)
+    source_row[sorted_source] = row_of_sorted.to(torch.int32)
+
+    tile_start = torch.arange(0, capacity, block_m, device=device, dtype=torch.int64)
+    tile_expert = torch.searchsorted(expert_offsets[1:], tile_start, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
+
+    return Schedule(
+        tokens_per_expert=tokens_per_expert.to(torch.int32),
+        expert_offsets=expert_offsets.to(torch.int32),
+        row_source=row_source,
+        source_row=source_row.view(num_tokens, top_k),
+        tile_expert=tile_expert.to(torch.int32),
+        num_experts=num_experts,
+        block_m=block_m,
+    )
+
+
+def dense_schedule(num_tokens: int, block_m: int, device) -> Schedule:
+    """The schedule of an expert that sees every token once (the shared expert): rows = tokens."""
+    capacity = block_m * ((num_tokens + block_m - 1) // block_m)
+    row_source = torch.arange(capacity, device=device, dtype=torch.int32)
+    row_source = torch.where(row_source < num_tokens, row_source, -1)
+    return Schedule(
+        tokens_per_expert=torch.full((1,), num_tokens, device=device, dtype=torch.int32),
+        expert_offsets=torch.arange(2, device=device, dtype=torch.int32) * capacity,
+        row_source=row_source,
+        source_row=torch.arange(num_tokens, device=device, dtype=torch.int32).view(num_tokens, 1),
+        tile_expert=torch.zeros(capacity // block_m, device=device, dtype=torch.int32),
+        num_experts=1,
+        block_m=block_m,
+    )

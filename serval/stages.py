@@ -1,0 +1,168 @@
+"""The stages of the MoE layer, in torch ops: the portable path, and the contract of the kernels.
+
+Forward and backward are each a short pipeline of stages over one `Schedule`
+(see `serval.schedule`). This module implements every stage with torch ops, on
+any device and dtype, with no host sync and no floating-point scatter/atomics;
+`serval.kernels` implements the same functions with Triton kernels, and
+`serval.functional` composes whichever backend is chosen. Signatures and
+numerics are shared, so a kernel can replace one stage at a time.
+
+Shapes: N tokens, k slots, H hidden, I expert intermediate, E experts, R rows
+(the schedule's capacity). `gate_up` is the gate/up pre-activation [R, 2I],
+gate in columns [0, I), up in [I, 2I). Reductions accumulate in fp32 (fp64 for
+fp64 inputs) and round once at the end.
+
+Forward:   gather -> gate_up_swiglu -> down -> combine
+Backward:  gather(d_y) -> down_dgrad_swiglu (d_h, SwiGLU backward, d_router_weights)
+           -> gate_up_dgrad -> combine-transpose (sum_slots) ; weight_grad for every weight
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .schedule import Schedule
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _has_grouped_mm(t: torch.Tensor) -> bool:
+    if t.dtype == torch.bfloat16:
+        return t.device.type == "cpu" or (t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _expert_masks(schedule: Schedule, device) -> torch.Tensor:
+    """[E, R] bool: row r belongs to expert e's segment (padding rows included)."""
+    rows = torch.arange(schedule.capacity, device=device)
+    offsets = schedule.expert_offsets.to(device=device, dtype=torch.int64)
+    return (rows[None, :] >= offsets[:-1, None]) & (rows[None, :] < offsets[1:, None])
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    """out[r] = a[r] @ w[e(r)].T for each expert segment; a [R, K], w [E, Nout, K] -> [R, Nout]."""
+    if _has_grouped_mm(a):
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=schedule.expert_offsets[1:])
+    # dtypes torch._grouped_mm lacks (fp64, fp32 on CUDA): every expert on every row, selected per segment
+    out = a.new_zeros(a.shape[0], w.shape[1])
+    for e, mask in enumerate(_expert_masks(schedule, a.device)):
+        out = torch.where(mask[:, None], a @ w[e].T, out)
+    return out
+
+
+def weight_grad(a: torch.Tensor, b: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    """dW[e] = a[seg e].T @ b[seg e], summed over the segment's rows; a [R, P], b [R, Q] -> [E, P, Q].
+
+    An expert with no rows gets exact zeros.
+    """
+    if _has_grouped_mm(a):
+        return torch._grouped_mm(a.t(), b, offs=schedule.expert_offsets[1:])
+    masks = _expert_masks(schedule, a.device)
+    return torch.stack([(a * mask[:, None]).t() @ b for mask in masks])
+
+
+def gather(t: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    """rows[r] = t[token of row r] (zeros on padding rows); t [N, H] -> [R, H]."""
+    source = schedule.row_source.to(torch.int64)
+    token = source.clamp(min=0) // schedule.top_k
+    return torch.where((source >= 0)[:, None], t[token], 0).to(t.dtype)
+
+
+def row_weights(router_weights: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    """[R] router weight of each row (0 on padding rows)."""
+    source = schedule.row_source.to(torch.int64)
+    return torch.where(source >= 0, router_weights.reshape(-1)[source.clamp(min=0)], 0)
+
+
+def _swiglu_parts(gate_up: torch.Tensor, swiglu_limit: float | None):
+    """fp32 (clamped gate, clamped up, sigmoid(gate)) from the stored pre-activation."""
+    acc = accumulator_dtype(gate_up.dtype)
+    gate, up = gate_up.to(acc).chunk(2, dim=-1)
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return gate, up, torch.sigmoid(gate)
+
+
+def swiglu(gate_up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+    """h = silu(gate) * up, computed in fp32 and rounded once to the input dtype."""
+    gate, up, sig = _swiglu_parts(gate_up, swiglu_limit)
+    return (gate * sig * up).to(gate_up.dtype)
+
+
+# ---------------------------------------------------------------- forward
+
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None):
+    """Gather + grouped GEMM gate/up + SwiGLU: returns (gate_up [R, 2I] kept for backward, h [R, I])."""
+    gate_up = grouped_mm(gather(x, schedule), torch.cat([w_gate, w_up], dim=1), schedule)
+    return gate_up, swiglu(gate_up, swiglu_limit)
+
+
+def down(h, w_down, schedule: Schedule):
+    """Grouped GEMM down: o [R, H]."""
+    return grouped_mm(h, w_down, schedule)
+
+
+def combine(expert_out, router_weights, schedule: Schedule, shared_out=None):
+    """y[t] = shared_out[t] + sum_j router_weights[t, j] * expert_out[row(t, j)], summed in slot order."""
+    acc = accumulator_dtype(expert_out.dtype)
+    token_rows = expert_out[schedule.source_row.to(torch.int64)].to(acc)  # [N, k, H]
+    y = shared_out.to(acc) if shared_out is not None else torch.zeros_like(token_rows[:, 0])
+    for j in range(schedule.top_k):
+        y = y + router_weights[:, j, None].to(acc) * token_rows[:, j]
+    return y.to(expert_out.dtype)
+
+
+# ---------------------------------------------------------------- backward
+
+def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None):
+    """d_h = rw * (d_y_row @ w_down), then the SwiGLU backward and the router-weight gradient.
+
+    d_router_weights[t, j] = <d_y[t], expert_out[row]> = <d_y_row @ w_down, h>: a per-row dot of
+    the unscaled down dgrad with h, so expert outputs are never kept for backward.
+    Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I] for the w_down gradient, d_rw_rows [R] fp32).
+    """
+    acc = accumulator_dtype(gate_up.dtype)
+    d_h_raw = grouped_mm(d_y_rows, w_down.transpose(1, 2), schedule).to(acc)
+    gate, up, sig = _swiglu_parts(gate_up, swiglu_limit)
+    silu = gate * sig
+    h = (silu * up).to(gate_up.dtype).to(acc)  # exactly the h the forward fed to the down GEMM
+    d_rw_rows = (d_h_raw * h).sum(dim=-1)
+    rw = row_weights(router_weights, schedule).to(acc)[:, None]
+    d_h = d_h_raw * rw
+    d_gate = d_h * up * sig * (1 + gate * (1 - sig))
+    d_up = d_h * silu
+    if swiglu_limit is not None:
+        pre_gate, pre_up = gate_up.chunk(2, dim=-1)
+        d_gate = d_gate * (pre_gate <= swiglu_limit)
+        d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit))
+    d_gate_up = torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)
+    return d_gate_up, (h * rw).to(gate_up.dtype), d_rw_rows
+
+
+def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule):
+    """d_x_rows = d_gate @ w_gate + d_up @ w_up, one GEMM with K = 2I: [R, H]."""
+    return grouped_mm(d_gate_up, torch.cat([w_gate, w_up], dim=1).transpose(1, 2), schedule)
+
+
+def sum_slots(rows, schedule: Schedule, shared_rows=None):
+    """d_x[t] = shared_rows[t] + sum_j rows[row(t, j)], summed in slot order (the combine's transpose)."""
+    acc = accumulator_dtype(rows.dtype)
+    token_rows = rows[schedule.source_row.to(torch.int64)].to(acc)
+    out = shared_rows.to(acc) if shared_rows is not None else torch.zeros_like(token_rows[:, 0])
+    for j in range(schedule.top_k):
+        out = out + token_rows[:, j]
+    return out.to(rows.dtype)
+
+
+def gate_up_weight_grad(d_gate_up, x, schedule: Schedule):
+    """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg] (x regathered, not kept)."""
+    d_w_gate, d_w_up = weight_grad(d_gate_up, gather(x, schedule), schedule).chunk(2, dim=1)
+    return d_w_gate.clone(), d_w_up.clone()  # two tensors that own their memory, as the kernels return
+
+
+def down_weight_grad(d_y_rows, h_weighted, schedule: Schedule):
+    """d_w_down [E, H, I] = d_y_rows[seg].T @ (rw * h)[seg]."""
+    return weight_grad(d_y_rows, h_weighted, schedule)
