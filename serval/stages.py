@@ -28,10 +28,14 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _has_grouped_mm(t: torch.Tensor) -> bool:
+def _has_grouped_mm(*operands: torch.Tensor) -> bool:
+    """Can torch._grouped_mm take these operands (its dtypes, devices, 16-byte aligned rows)?"""
+    t = operands[0]
     if t.dtype == torch.bfloat16:
-        return t.device.type == "cpu" or (t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] >= 9)
-    return t.dtype == torch.float32 and t.device.type == "cpu"
+        ok = t.device.type == "cpu" or (t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    else:
+        ok = t.dtype == torch.float32 and t.device.type == "cpu"
+    return ok and all(size * t.element_size() % 16 == 0 for op in operands for size in op.shape[-2:])
 
 
 def _expert_masks(schedule: Schedule, device) -> torch.Tensor:
@@ -43,7 +47,7 @@ def _expert_masks(schedule: Schedule, device) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     """out[r] = a[r] @ w[e(r)].T for each expert segment; a [R, K], w [E, Nout, K] -> [R, Nout]."""
-    if _has_grouped_mm(a):
+    if _has_grouped_mm(a, w):
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=schedule.expert_offsets[1:])
     # dtypes torch._grouped_mm lacks (fp64, fp32 on CUDA): every expert on every row, selected per segment
     out = a.new_zeros(a.shape[0], w.shape[1])
@@ -57,10 +61,11 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, schedule: Schedule) -> torch.T
 
     An expert with no rows gets exact zeros.
     """
-    if _has_grouped_mm(a):
+    if _has_grouped_mm(a, b):
         return torch._grouped_mm(a.t(), b, offs=schedule.expert_offsets[1:])
-    masks = _expert_masks(schedule, a.device)
-    return torch.stack([(a * mask[:, None]).t() @ b for mask in masks])
+    # rows past the used ones hold whatever the producing stage left there: select, never multiply by 0
+    masks = _expert_masks(schedule, a.device)[:, :, None]
+    return torch.stack([torch.where(m, a, 0).t() @ torch.where(m, b, 0) for m in masks])
 
 
 def gather(t: torch.Tensor, schedule: Schedule) -> torch.Tensor:

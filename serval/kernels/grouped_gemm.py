@@ -1,0 +1,497 @@
+"""Grouped GEMMs of the expert MLPs: one persistent Triton kernel over the schedule's M-tiles.
+
+Every stage GEMM of the layer has the same shape: rows of an operand A, grouped by
+expert into M-tiles (see `serval.schedule`), times the weight of the tile's expert:
+
+    C[r, n] = sum_k A[r, k] * B_e[k, n],   e = tile_expert[r // block_m]
+
+and differs only in where A comes from, how B_e is stored, and what happens to the
+fp32 accumulator before it is stored. `_grouped_gemm_kernel` is that one kernel; its
+constexpr switches select the variant, so the compiler specialises each use:
+
+* A_GATHER: A rows come from a token tensor x [N, K] through `row_source` (token =
+  source // k, padding rows read as zeros): the gather fused into the GEMM. Otherwise
+  A is a materialised [R, K] buffer (read through TMA when USE_TMA).
+* W_NK: the weight is stored [E, Nout, K] (nn.Linear layout, C = A @ W[e].T: the
+  forward GEMMs); otherwise [E, K, Nout] (C = A @ W[e]: the data gradients, which use
+  the forward weights transposed). Both are read in place, never copied.
+* K_SPLIT: K runs over two weights, the first K columns of A against w0 and the next
+  K against w1, into one accumulator (gate_up_dgrad: d_gate @ w_gate + d_up @ w_up).
+* EPILOGUE: "store" (plain bf16 store), "swiglu_fwd" (two accumulators, gate from w0
+  and up from w1, stores gate_up and h = silu(gate) * up), "swiglu_bwd" (the down
+  dgrad fused with the SwiGLU backward and the router-weight gradient).
+* USE_TMA: tensor descriptors (Hopper TMA) for the weights, a materialised A and the
+  outputs; otherwise masked pointer loads/stores (the interpreter-free fallback and a
+  variant worth timing). UPCAST: fp32 dot operands (the interpreter's bf16 dot is wrong).
+
+Persistent: the grid is one program per SM; program p takes tiles p, p + NUM_SMS, ...
+of the used tiles only. The used-tile count is read on the device
+(expert_offsets[E] // BLOCK_M): no host sync, idle capacity costs nothing. Tiles are
+visited GROUP_M M-tiles at a time across all N-tiles, so the SMs working at once share
+weight tiles (one expert's) and A tiles in L2.
+
+Determinism: every output element is written by exactly one program, the K loop runs
+in one fixed order, no atomics; the router-weight gradient is reduced over N-tiles in a
+fixed order by a second tiny kernel. Results do not depend on which SM ran a tile.
+
+Tile configurations are fixed per (stage, device class) by `CONFIGS`, never tuned by
+timing (timing-based choices could change the numbers between runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ..schedule import Schedule
+from . import common
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of the grouped GEMM (block_n is per accumulator)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    # let the pipeliner overlap one tile's epilogue with the next tile's loads
+    flatten: bool = True
+
+
+# Chosen from ENVIRONMENT.md's Triton 3.6 measurements on the H200 (persistent TMA,
+# 128x256x64, 8 warps, 3 stages: 676-699 TFLOP/s on these shapes); the dual-accumulator
+# and the SwiGLU-backward epilogues hold two/five [128, N] fp32 tiles, so they take
+# 128-wide N tiles (the same 128 fp32 accumulator registers per thread as 128x256).
+# benchmarks/kernel_stages.py times the alternatives; change an entry only with its numbers.
+CONFIGS = {
+    "hopper": {
+        "gate_up_swiglu": TileConfig(128, 128, 64, flatten=False),
+        "down": TileConfig(128, 256, 64),
+        "down_dgrad_swiglu": TileConfig(128, 128, 64, flatten=False),
+        "gate_up_dgrad": TileConfig(128, 256, 64, flatten=False),
+    },
+    # CPU interpreter: small tiles so that tests exercise partial N/K tiles on tiny shapes
+    "interpret": {
+        "gate_up_swiglu": TileConfig(32, 32, 32, group_m=2),
+        "down": TileConfig(32, 32, 32, group_m=2),
+        "down_dgrad_swiglu": TileConfig(32, 32, 32, group_m=2),
+        "gate_up_dgrad": TileConfig(32, 32, 32, group_m=2),
+    },
+}
+
+
+def default_config(stage: str) -> TileConfig:
+    return CONFIGS["interpret" if common.INTERPRET else "hopper"][stage]
+
+
+# ---------------------------------------------------------------- kernel pieces
+
+
+@triton.jit
+def _tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M consecutive M-tiles sweep all N-tiles before the next group."""
+    tiles_per_group = GROUP_M * num_n_tiles
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    group_size = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    m_tile = first_m + (tile_id % tiles_per_group) % group_size
+    n_tile = (tile_id % tiles_per_group) // group_size
+    return m_tile, n_tile
+
+
+@triton.jit
+def _load_a(a_desc, a_row_ptrs, a_row_valid, m0, k, col0, K,
+            BLOCK_K: tl.constexpr, A_POINTERS: tl.constexpr):
+    """A[rows, col0 + k : col0 + k + BLOCK_K], zeros past K and on invalid (padding) rows."""
+    if A_POINTERS:
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask = a_row_valid[:, None] & (offs_k < K)[None, :]
+        return tl.load(a_row_ptrs[:, None] + (col0 + offs_k)[None, :], mask=mask, other=0.0)
+    else:
+        # the descriptor's shape ends at column K of this half, so TMA zero-fills past it
+        return a_desc.load([m0, k])
+
+
+@triton.jit
+def _load_w(w_desc, w_ptr, expert, n0, k, N_OUT, K,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_NK: tl.constexpr, USE_TMA: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile of B_e at (k, n0), zeros outside [K, N_OUT]."""
+    if USE_TMA:
+        # 3-D descriptors [E, *, *]: out-of-range rows/cols of one expert read as zeros, never the next expert
+        if W_NK:
+            return w_desc.load([expert, n0, k]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            return w_desc.load([expert, k, n0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        offs_k = k + tl.arange(0, BLOCK_K)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = (offs_k < K)[:, None] & (offs_n < N_OUT)[None, :]
+        base = w_ptr + expert.to(tl.int64) * N_OUT * K
+        if W_NK:
+            ptrs = base + offs_n[None, :] * K + offs_k[:, None]
+        else:
+            ptrs = base + offs_k[:, None] * N_OUT + offs_n[None, :]
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST:  # interpreter: bf16 tl.dot is wrong there, fp32 is exact enough
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _store_tile(desc, ptr, stride, value, m0, n0, n_limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Store a [BLOCK_M, BLOCK_N] tile at (m0, n0) of a row-major matrix whose columns end at n_limit."""
+    if USE_TMA:
+        desc.store([m0, n0], value)
+    else:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ptrs = ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :]
+        tl.store(ptrs, value, mask=(cols < n_limit)[None, :])
+
+
+@triton.jit
+def _load_tile(desc, ptr, stride, m0, n0, n_limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Load a [BLOCK_M, BLOCK_N] tile at (m0, n0), zeros past column n_limit."""
+    if USE_TMA:
+        return desc.load([m0, n0])
+    else:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ptrs = ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :]
+        return tl.load(ptrs, mask=(cols < n_limit)[None, :], other=0.0)
+
+
+@triton.jit
+def _swiglu_parts(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """fp32 (clamped gate, clamped up, sigmoid(gate)), as stages._swiglu_parts."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+    return gate, up, tl.sigmoid(gate)
+
+
+@triton.jit
+def _swiglu_h(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """h = silu(gate) * up from the stored (bf16-rounded) pre-activations, in fp32.
+
+    Forward and backward both call this, so the backward recomputes exactly the h that
+    the forward stored and fed to the down GEMM.
+    """
+    gate, up, sig = _swiglu_parts(gate, up, swiglu_limit, HAS_LIMIT)
+    return gate * sig * up
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    # A operand: x [N, K] (A_GATHER) or rows [R, K_total]
+    a_ptr, stride_a, row_source_ptr, top_k, num_rows,
+    # schedule
+    tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
+    # weights: w0 (and w1 for swiglu_fwd / K_SPLIT), [E, N_OUT, K] if W_NK else [E, K, N_OUT]
+    w0_ptr, w1_ptr,
+    # outputs: c [R, N_OUT] (store) or [R, 2 N_OUT] (swiglu); h [R, N_OUT] (swiglu)
+    c_ptr, stride_c, h_ptr,
+    # swiglu_bwd inputs/outputs: gate_up [R, 2 N_OUT], router weights [N * k], d_rw partials [R, num_n_tiles]
+    gate_up_ptr, router_weights_ptr, d_rw_partial_ptr,
+    N_OUT, K, swiglu_limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    A_GATHER: tl.constexpr, W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
+    SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [R, 2 N_OUT] and [R, N_OUT]
+    A_POINTERS: tl.constexpr = A_GATHER or not USE_TMA
+    dtype = w0_ptr.dtype.element_ty
+
+    # used tiles only: the count lives on the device, no host sync
+    num_m_tiles = tl.load(expert_offsets_ptr + num_experts) // BLOCK_M
+    num_n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    num_tiles = num_m_tiles * num_n_tiles
+
+    if USE_TMA:
+        if W_NK:
+            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
+                                                block_shape=[1, BLOCK_N, BLOCK_K])
+            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
+                                                block_shape=[1, BLOCK_N, BLOCK_K])
+        else:
+            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
+                                                block_shape=[1, BLOCK_K, BLOCK_N])
+            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
+                                                block_shape=[1, BLOCK_K, BLOCK_N])
+        # the second half of a split-K A (and of every [R, 2 N_OUT] tensor) is its own descriptor, so that
+        # TMA bounds each half at its own last column (the host checks the halves are 16-byte aligned)
+        if A_GATHER:
+            a0_desc = a_ptr
+        else:
+            a0_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, K], strides=[stride_a, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])
+        if K_SPLIT:
+            a1_desc = tl.make_tensor_descriptor(a_ptr + K, shape=[num_rows, K], strides=[stride_a, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])
+        else:
+            a1_desc = a0_desc
+        c0_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, N_OUT], strides=[stride_c, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+        if SWIGLU:
+            c1_desc = tl.make_tensor_descriptor(c_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[stride_c, 1],
+                                                block_shape=[BLOCK_M, BLOCK_N])
+            h_desc = tl.make_tensor_descriptor(h_ptr, shape=[num_rows, N_OUT], strides=[N_OUT, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
+        else:
+            c1_desc = c0_desc
+            h_desc = c0_desc
+        if EPILOGUE == "swiglu_bwd":
+            g_desc = tl.make_tensor_descriptor(gate_up_ptr, shape=[num_rows, N_OUT], strides=[2 * N_OUT, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
+            u_desc = tl.make_tensor_descriptor(gate_up_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[2 * N_OUT, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
+        else:
+            g_desc = c0_desc
+            u_desc = c0_desc
+    else:  # pointer path: the "descriptors" are unused placeholders
+        w0_desc = w0_ptr
+        w1_desc = w1_ptr
+        a0_desc = a_ptr
+        a1_desc = a_ptr
+        c0_desc = c_ptr
+        c1_desc = c_ptr
+        h_desc = h_ptr
+        g_desc = gate_up_ptr
+        u_desc = gate_up_ptr
+
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=FLATTEN):
+        m_tile, n_tile = _tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
+        m0 = m_tile * BLOCK_M
+        n0 = n_tile * BLOCK_N
+        expert = tl.load(tile_expert_ptr + m0 // sched_block_m)
+        rows = m0 + tl.arange(0, BLOCK_M)
+
+        # per-row A addresses for the pointer path (the gather: token = source // k, padding rows read zeros)
+        if A_GATHER:
+            source = tl.load(row_source_ptr + rows)
+            a_row_valid = source >= 0
+            a_row = tl.where(a_row_valid, source // top_k, 0)
+        else:
+            a_row_valid = rows < num_rows
+            a_row = rows
+        a_row_ptrs = a_ptr + a_row.to(tl.int64) * stride_a
+
+        acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = _load_a(a0_desc, a_row_ptrs, a_row_valid, m0, k, 0, K, BLOCK_K, A_POINTERS)
+            b = _load_w(w0_desc, w0_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+            acc0 = _mma(a, b, acc0, UPCAST)
+            if DUAL:
+                b1 = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+                acc1 = _mma(a, b1, acc1, UPCAST)
+        if K_SPLIT:  # the same accumulator continues over A's second K columns against w1
+            for k in range(0, K, BLOCK_K):
+                a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, K, K, BLOCK_K, A_POINTERS)
+                b = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+                acc0 = _mma(a, b, acc0, UPCAST)
+
+        # ------------------------------------------------ epilogues
+        if EPILOGUE == "store":
+            _store_tile(c0_desc, c_ptr, stride_c, acc0.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+
+        elif EPILOGUE == "swiglu_fwd":
+            # gate_up is stored rounded; h is computed from the rounded values, as the torch stage does
+            gate = acc0.to(dtype)
+            up = acc1.to(dtype)
+            _store_tile(c0_desc, c_ptr, stride_c, gate, m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+            _store_tile(c1_desc, c_ptr + N_OUT, stride_c, up, m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+            h = _swiglu_h(gate.to(tl.float32), up.to(tl.float32), swiglu_limit, HAS_LIMIT)
+            _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+
+        else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e] (the unscaled d_h)
+            pre_gate = _load_tile(g_desc, gate_up_ptr, 2 * N_OUT, m0, n0, N_OUT, BLOCK_M, BLOCK_N,
+                                  USE_TMA).to(tl.float32)
+            pre_up = _load_tile(u_desc, gate_up_ptr + N_OUT, 2 * N_OUT, m0, n0, N_OUT, BLOCK_M, BLOCK_N,
+                                USE_TMA).to(tl.float32)
+            gate, up, sig = _swiglu_parts(pre_gate, pre_up, swiglu_limit, HAS_LIMIT)
+            silu = gate * sig
+            # the h the forward stored: same helper, same rounding
+            h = _swiglu_h(pre_gate, pre_up, swiglu_limit, HAS_LIMIT).to(dtype).to(tl.float32)
+            # d_router_weight partial: <d_h_raw, h> over this tile's columns (zeros past N_OUT on both sides)
+            d_rw_part = tl.sum(acc0 * h, axis=1)
+            tl.store(d_rw_partial_ptr + rows.to(tl.int64) * num_n_tiles + n_tile, d_rw_part)
+
+            source = tl.load(row_source_ptr + rows)
+            rw = tl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)[:, None]
+            d_h = acc0 * rw
+            d_gate = d_h * up * sig * (1 + gate * (1 - sig))
+            d_up = d_h * silu
+            if HAS_LIMIT:  # the clamps pass no gradient where they were active
+                d_gate = d_gate * (pre_gate <= swiglu_limit).to(tl.float32)
+                d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(tl.float32)
+            _store_tile(c0_desc, c_ptr, stride_c, d_gate.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+            _store_tile(c1_desc, c_ptr + N_OUT, stride_c, d_up.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N,
+                        USE_TMA)
+            _store_tile(h_desc, h_ptr, N_OUT, (h * rw).to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+
+
+@triton.jit
+def _sum_partials_kernel(partial_ptr, out_ptr, expert_offsets_ptr, num_experts, num_rows, num_cols,
+                         BLOCK_R: tl.constexpr):
+    """out[r] = sum_j partial[r, j], j ascending (one fixed order); 0 on rows past the used tiles."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    used = rows < tl.load(expert_offsets_ptr + num_experts)
+    total = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for j in range(0, num_cols):
+        total += tl.load(partial_ptr + rows.to(tl.int64) * num_cols + j, mask=used, other=0.0)
+    tl.store(out_ptr + rows, total, mask=rows < num_rows)
+
+
+# ---------------------------------------------------------------- host side
+
+
+def _tma_compatible(*tensors_and_offsets) -> bool:
+    """TMA needs 16-byte aligned bases (each half of a split tensor too) and row strides."""
+    for t, col_offset in tensors_and_offsets:
+        if t.stride(-1) != 1:
+            return False
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+        if (t.data_ptr() + col_offset * t.element_size()) % 16:
+            return False
+    return True
+
+
+def _check(a: torch.Tensor, *weights: torch.Tensor):
+    for t in (a, *weights):
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"the Triton grouped GEMM takes bf16/fp16 operands, got {t.dtype}")
+
+
+def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gather: bool, w_nk: bool,
+            k_split: bool, epilogue: str, config: TileConfig, use_tma: bool | None, swiglu_limit=None,
+            gate_up=None, router_weights=None, d_rw_partial=None):
+    """Launch the persistent grid for one stage; returns nothing (outputs are written in place)."""
+    w0, w1 = weights[0], weights[-1]
+    block_m = min(config.block_m, schedule.block_m)
+    if schedule.block_m % block_m:
+        raise ValueError(f"tile rows {block_m} must divide the schedule's block_m {schedule.block_m}")
+    if use_tma is None:
+        use_tma = common.supports_tma()
+    if use_tma:
+        swiglu = epilogue != "store"
+        operands = [(w0, 0), (w1, 0), (out, 0)]
+        if swiglu:
+            operands += [(out, n_out), (h, 0)]
+        if not a_gather:
+            operands += [(a, 0)] + ([(a, k)] if k_split else [])
+        if gate_up is not None:
+            operands += [(gate_up, 0), (gate_up, n_out)]
+        use_tma = _tma_compatible(*operands)
+    if use_tma and not common.INTERPRET:
+        common.install_tma_allocator()
+
+    num_n_tiles = triton.cdiv(n_out, config.block_n)
+    max_tiles = (schedule.capacity // block_m) * num_n_tiles
+    num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
+    dummy = out  # stands in for pointers a variant does not use
+    _grouped_gemm_kernel[(num_programs,)](
+        a, a.stride(0), schedule.row_source, schedule.top_k, schedule.capacity,
+        schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m,
+        w0, w1,
+        out, out.stride(0), h if h is not None else dummy,
+        gate_up if gate_up is not None else dummy,
+        router_weights if router_weights is not None else dummy,
+        d_rw_partial if d_rw_partial is not None else dummy,
+        n_out, k, float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        NUM_SMS=num_programs,
+        A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
+        HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *,
+                   a_rows: torch.Tensor | None = None, config: TileConfig | None = None,
+                   use_tma: bool | None = None):
+    """Gather + grouped GEMM gate/up + SwiGLU: (gate_up [R, 2I], h [R, I]).
+
+    By default x rows are gathered inside the GEMM (A_GATHER); pass `a_rows` (= rows.gather(x))
+    to read an already gathered [R, H] buffer through TMA instead.
+    """
+    _check(x, w_gate, w_up)
+    num_rows, (_, inter, hidden) = schedule.capacity, w_gate.shape
+    gate_up = common.empty((num_rows, 2 * inter), x.dtype, x.device)
+    h = common.empty((num_rows, inter), x.dtype, x.device)
+    a = a_rows if a_rows is not None else x
+    _launch(a=a.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=gate_up, h=h,
+            schedule=schedule, n_out=inter, k=hidden, a_gather=a_rows is None, w_nk=True, k_split=False,
+            epilogue="swiglu_fwd", config=config or default_config("gate_up_swiglu"), use_tma=use_tma,
+            swiglu_limit=swiglu_limit)
+    return gate_up, h
+
+
+def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use_tma: bool | None = None):
+    """Grouped GEMM down: o [R, H] = h @ w_down[e].T."""
+    _check(h, w_down)
+    hidden, inter = w_down.shape[1:]
+    out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
+    _launch(a=h.contiguous(), weights=(w_down.contiguous(),), out=out, h=None, schedule=schedule,
+            n_out=hidden, k=inter, a_gather=False, w_nk=True, k_split=False, epilogue="store",
+            config=config or default_config("down"), use_tma=use_tma)
+    return out
+
+
+def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None,
+                      *, config: TileConfig | None = None, use_tma: bool | None = None):
+    """d_h = rw * (d_y_row @ w_down[e]), SwiGLU backward and the router-weight gradient, in one GEMM epilogue.
+
+    Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I], d_rw_rows [R] fp32), as stages.down_dgrad_swiglu.
+    """
+    _check(d_y_rows, w_down, gate_up)
+    hidden, inter = w_down.shape[1:]
+    num_rows = schedule.capacity
+    config = config or default_config("down_dgrad_swiglu")
+    num_n_tiles = triton.cdiv(inter, config.block_n)
+    d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
+    h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
+    d_rw_partial = common.empty((num_rows, num_n_tiles), torch.float32, gate_up.device)
+    _launch(a=d_y_rows.contiguous(), weights=(w_down.contiguous(),), out=d_gate_up, h=h_weighted,
+            schedule=schedule, n_out=inter, k=hidden, a_gather=False, w_nk=False, k_split=False,
+            epilogue="swiglu_bwd", config=config, use_tma=use_tma, swiglu_limit=swiglu_limit,
+            gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous().view(-1).float(),
+            d_rw_partial=d_rw_partial)
+    d_rw_rows = common.empty((num_rows,), torch.float32, gate_up.device)
+    block_r = 128
+    _sum_partials_kernel[(triton.cdiv(num_rows, block_r),)](
+        d_rw_partial, d_rw_rows, schedule.expert_offsets, schedule.num_experts, num_rows, num_n_tiles,
+        BLOCK_R=block_r)
+    return d_gate_up, h_weighted, d_rw_rows
+
+
+def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, config: TileConfig | None = None,
+                  use_tma: bool | None = None):
+    """d_x_rows [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e]: one accumulation over K = 2I."""
+    _check(d_gate_up, w_gate, w_up)
+    inter, hidden = w_gate.shape[1:]
+    out = common.empty((schedule.capacity, hidden), d_gate_up.dtype, d_gate_up.device)
+    _launch(a=d_gate_up.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=out, h=None,
+            schedule=schedule, n_out=hidden, k=inter, a_gather=False, w_nk=False, k_split=True,
+            epilogue="store", config=config or default_config("gate_up_dgrad"), use_tma=use_tma)
+    return out

@@ -1,0 +1,370 @@
+"""Grouped weight gradients over the token axis: dW[e] = A[seg e].T @ B[seg e].
+
+The backward of every expert GEMM needs, per expert e, a GEMM whose reduction
+axis is that expert's rows of the routed buffer (see `serval.schedule`):
+
+    d_w_gate, d_w_up = d_gate_up[seg].T @ x_rows[seg]    P = 2I (two outputs), Q = H
+    d_w_down         = d_y_rows[seg].T  @ (rw * h)[seg]  P = H,               Q = I
+
+A is [R, P] and B is [R, Q], both row-major, so the MMA's left operand A^T
+[BP, BK] is read as a [BK, BP] tile and transposed in shared memory (Hopper's
+wgmma takes 16-bit operands in either major order, so the transpose is free).
+
+One persistent kernel, `_wgrad_kernel`:
+* work item = (expert, output, P-tile, Q-tile): a static count fixed by the
+  shapes; each output tile is produced by exactly one program, which walks the
+  expert's rows in ascending order, reading the segment bounds from
+  `expert_offsets` on the device (no host sync). No split-K, no atomics: the
+  result is bitwise deterministic and independent of which program ran what.
+* an expert with no rows runs zero K steps and stores its zero accumulator.
+* B_GATHER: B rows come straight from the token tensor x [N, Q] through
+  `row_source` (token = source // top_k, -1 = padding -> zero row), so the
+  gathered x of the forward is neither kept nor re-materialised.
+* NUM_OUT = 2 splits the P axis into two outputs [E, P/2, Q] (gate and up),
+  each written directly by the kernel: no copy, no views.
+* LPT: work items are ordered expert by expert, longest expert first (ranks
+  computed per program from `expert_offsets`, ties by expert id), and dealt to
+  the programs in a snake order (round r forward, round r+1 backward), so the
+  heavy tiles of a skewed routing land on different programs and the light
+  ones fill in behind them. Tiles of one expert stay adjacent, so programs
+  running at the same time share that expert's A/B rows in L2.
+* USE_TMA: tensor descriptors for the A / B tiles and the output tile (Hopper,
+  and the Triton >= 3.9 interpreter); otherwise plain pointer loads/stores.
+
+Configs come from a fixed table (`pick_config`), never from timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ..schedule import Schedule
+from . import common
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------- configs
+
+@dataclasses.dataclass(frozen=True)
+class WgradConfig:
+    """One tile shape. block_k must divide the schedule's block_m (a K step never crosses experts)."""
+
+    block_p: int
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_p: int = 8  # P-tiles swizzled together so concurrent programs share B columns in L2
+    epilogue_subtile: bool = False  # store the [BP, BQ] tile as two [BP, BQ/2] halves (less shared memory)
+
+
+# Named configs for the H200 (bf16). 128x256x64 / 8 warps / 3 stages is what Triton's persistent TMA GEMM
+# ran at ~680-700 TFLOP/s there (ENVIRONMENT.md); the others are the alternatives the benchmark times.
+CONFIGS = {
+    "128x256": WgradConfig(128, 256, 64, num_warps=8, num_stages=3),
+    "128x256s": WgradConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True),
+    "256x128": WgradConfig(256, 128, 64, num_warps=8, num_stages=3),
+    "128x128": WgradConfig(128, 128, 64, num_warps=8, num_stages=4),
+}
+
+
+def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
+    return max(floor, min(cap, triton.next_power_of_2(n)))
+
+
+def pick_config(p_out: int, q: int, block_m: int) -> WgradConfig:
+    """The deterministic config table: a function of the shapes only."""
+    if common.INTERPRET:
+        # the interpreter's cost is per op: small tiles keep the tiny CI shapes fast and exercise masking
+        bp, bq = _pow2_at_most(p_out, 32), _pow2_at_most(q, 32)
+        return WgradConfig(bp, bq, min(16, block_m), num_warps=4, num_stages=2, group_p=2)
+    if p_out >= 128 and q >= 256:
+        return CONFIGS["128x256"]
+    if p_out >= 128 and q >= 128:
+        return CONFIGS["128x128"]
+    bp, bq = _pow2_at_most(p_out, 128), _pow2_at_most(q, 128)
+    return WgradConfig(bp, bq, 64, num_warps=4, num_stages=4)
+
+
+def _resolve_block_k(config: WgradConfig, block_m: int) -> WgradConfig:
+    block_k = min(config.block_k, block_m)
+    if block_m % block_k or block_k < 16:
+        raise ValueError(f"block_k={config.block_k} does not fit block_m={block_m} (needs block_m % block_k == 0, >= 16)")
+    return dataclasses.replace(config, block_k=block_k)
+
+
+# ---------------------------------------------------------------- kernel helpers
+
+@triton.jit
+def _expert_ranks(offsets_ptr, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """rank[e] = place of expert e when sorted by row count, longest first, ties by id (a permutation of 0..E-1).
+
+    Every program computes the same ranks from `expert_offsets`: an O(E^2) compare, done once per program.
+    """
+    e = tl.arange(0, E_PAD)
+    rows = tl.load(offsets_ptr + e + 1, mask=e < E, other=0) - tl.load(offsets_ptr + e, mask=e < E, other=0)
+    rank = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in tl.static_range(0, E_PAD, CHUNK):
+        f = c + tl.arange(0, CHUNK)
+        rows_f = tl.load(offsets_ptr + f + 1, mask=f < E, other=0) - tl.load(offsets_ptr + f, mask=f < E, other=0)
+        longer = rows_f[None, :] > rows[:, None]
+        tie_first = (rows_f[None, :] == rows[:, None]) & (f[None, :] < e[:, None])
+        ahead = (longer | tie_first) & (f < E)[None, :]
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    return rank
+
+
+@triton.jit
+def _tile_coords(t, rank, E, n_p, n_q, LPT: tl.constexpr, NUM_OUT: tl.constexpr, E_PAD: tl.constexpr,
+                 GROUP_P: tl.constexpr):
+    """Work item t -> (expert, output, P-tile, Q-tile); items are expert-major, P-tiles grouped by GROUP_P."""
+    per_out = n_p * n_q
+    slot = t // (NUM_OUT * per_out)
+    local = t % (NUM_OUT * per_out)
+    if LPT:
+        e_idx = tl.arange(0, E_PAD)
+        expert = tl.sum(tl.where((rank == slot) & (e_idx < E), e_idx, 0))
+    else:
+        expert = slot
+    out = local // per_out
+    local = local % per_out
+    # grouped ordering (as in Triton's matmul tutorial): GROUP_P P-tiles sweep the Q-tiles together
+    per_group = GROUP_P * n_q
+    first_p = (local // per_group) * GROUP_P
+    group_size = tl.minimum(n_p - first_p, GROUP_P)
+    pid_p = first_p + (local % per_group) % group_size
+    pid_q = (local % per_group) // group_size
+    return expert, out, pid_p, pid_q
+
+
+@triton.jit
+def _load_a(a_desc, a_ptr, row, col, R, P, stride_a, BK: tl.constexpr, BP: tl.constexpr, USE_TMA: tl.constexpr):
+    """A tile [BK, BP] at (row, col); columns past P read as zero."""
+    if USE_TMA:
+        return a_desc.load([row, col])
+    rows = row + tl.arange(0, BK)
+    cols = col + tl.arange(0, BP)
+    ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :]
+    return tl.load(ptrs, mask=(cols < P)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_b(b_desc, b_ptr, row_source_ptr, row, col, Q, stride_b, top_k,
+            BK: tl.constexpr, BQ: tl.constexpr, B_GATHER: tl.constexpr, USE_TMA: tl.constexpr):
+    """B tile [BK, BQ] at (row, col): the routed rows themselves, or gathered from the tokens."""
+    cols = col + tl.arange(0, BQ)
+    if B_GATHER:
+        # Hopper has no TMA gather: per-row pointer loads (cp.async once pipelined), padding rows -> 0
+        source = tl.load(row_source_ptr + row + tl.arange(0, BK))
+        token = tl.where(source >= 0, source // top_k, 0)
+        ptrs = b_ptr + token.to(tl.int64)[:, None] * stride_b + cols[None, :]
+        return tl.load(ptrs, mask=(source >= 0)[:, None] & (cols < Q)[None, :], other=0.0)
+    if USE_TMA:
+        return b_desc.load([row, col])
+    rows = row + tl.arange(0, BK)
+    ptrs = b_ptr + rows.to(tl.int64)[:, None] * stride_b + cols[None, :]
+    return tl.load(ptrs, mask=(cols < Q)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_tile(desc, ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op,
+                BP: tl.constexpr, BQ: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr):
+    """Write the [BP, BQ] tile at (expert, p0, q0) of an [E, P_OUT, Q] output; the edges are clipped."""
+    if USE_TMA:
+        if SUBTILE:
+            # two halves: the epilogue's shared-memory buffer is half as large (room for one more stage)
+            c0, c1 = c.reshape(BP, 2, BQ // 2).permute(0, 2, 1).split()
+            desc.store([expert, p0, q0], c0.reshape(1, BP, BQ // 2))
+            desc.store([expert, p0, q0 + BQ // 2], c1.reshape(1, BP, BQ // 2))
+        else:
+            desc.store([expert, p0, q0], c.reshape(1, BP, BQ))
+    else:
+        p = p0 + tl.arange(0, BP)
+        q = q0 + tl.arange(0, BQ)
+        ptrs = ptr + expert.to(tl.int64) * stride_oe + p.to(tl.int64)[:, None] * stride_op + q[None, :]
+        tl.store(ptrs, c, mask=(p < P_OUT)[:, None] & (q < Q)[None, :])
+
+
+# ---------------------------------------------------------------- the kernel
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, row_source_ptr, offsets_ptr, out0_ptr, out1_ptr,
+    R, P, Q, P_OUT, E, top_k, B_ROWS,
+    stride_a, stride_b, stride_oe, stride_op,
+    BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, GROUP_P: tl.constexpr,
+    NUM_OUT: tl.constexpr, B_GATHER: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
+    LPT: tl.constexpr, E_PAD: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[o][e] = A[seg e, o*P_OUT : (o+1)*P_OUT].T @ B[seg e] for every expert e and output o."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    n_p = tl.cdiv(P_OUT, BP)
+    n_q = tl.cdiv(Q, BQ)
+    total = E * NUM_OUT * n_p * n_q
+
+    a_desc = None
+    b_desc = None
+    out0_desc = None
+    out1_desc = None
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[stride_a, 1], block_shape=[BK, BP])
+        if not B_GATHER:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[B_ROWS, Q], strides=[stride_b, 1], block_shape=[BK, BQ])
+        OUT_BQ: tl.constexpr = BQ // 2 if SUBTILE else BQ
+        out0_desc = tl.make_tensor_descriptor(out0_ptr, shape=[E, P_OUT, Q], strides=[stride_oe, stride_op, 1],
+                                              block_shape=[1, BP, OUT_BQ])
+        if NUM_OUT == 2:
+            out1_desc = tl.make_tensor_descriptor(out1_ptr, shape=[E, P_OUT, Q], strides=[stride_oe, stride_op, 1],
+                                                  block_shape=[1, BP, OUT_BQ])
+
+    rank = tl.zeros([E_PAD], dtype=tl.int32)
+    if LPT:
+        rank = _expert_ranks(offsets_ptr, E, E_PAD, CHUNK=min(E_PAD, 32))
+
+    # items dealt round by round; with LPT the rounds alternate direction (snake), so the longest tiles,
+    # which come first, go one per program. This program's item count, without an `if` in the loop:
+    full_rounds = total // num_programs
+    last_pos = pid
+    if LPT:
+        if full_rounds % 2 == 1:
+            last_pos = num_programs - 1 - pid
+    my_rounds = full_rounds + (last_pos < total % num_programs).to(tl.int32)
+
+    for r in range(0, my_rounds):
+        pos = pid
+        if LPT:
+            if r % 2 == 1:
+                pos = num_programs - 1 - pid
+        expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, rank, E, n_p, n_q,
+                                                 LPT, NUM_OUT, E_PAD, GROUP_P)
+        p0 = pid_p * BP
+        q0 = pid_q * BQ
+        row_begin = tl.load(offsets_ptr + expert)
+        row_end = tl.load(offsets_ptr + expert + 1)
+
+        # the reduction over the expert's rows, ascending: one fixed order, one program per tile
+        acc = tl.zeros([BP, BQ], dtype=tl.float32)
+        for row in tl.range(row_begin, row_end, BK, num_stages=NUM_STAGES):
+            a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
+            b = _load_b(b_desc, b_ptr, row_source_ptr, row, q0, Q, stride_b, top_k, BK, BQ, B_GATHER, USE_TMA)
+            if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+
+        c = acc.to(out0_ptr.dtype.element_ty)
+        if NUM_OUT == 1:
+            _store_tile(out0_desc, out0_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
+        elif out == 0:
+            _store_tile(out0_desc, out0_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
+        else:
+            _store_tile(out1_desc, out1_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
+
+
+# ---------------------------------------------------------------- host side
+
+def _tma_ok(*tensors) -> bool:
+    """TMA needs 16-byte aligned bases and row strides (and a unit inner stride)."""
+    for t in tensors:
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def grouped_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    schedule: Schedule,
+    *,
+    num_outputs: int = 1,
+    gather: bool = False,
+    config: WgradConfig | str | None = None,
+    use_tma: bool | None = None,
+    lpt: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """The kernel's entry point: `num_outputs` tensors [E, P / num_outputs, Q] in a's dtype.
+
+    a [R, P]: the routed rows (R = schedule.capacity). b: [R, Q] routed rows, or with `gather` the token
+    tensor [N, Q] whose rows are read through `schedule.row_source`. `config` (a WgradConfig or a CONFIGS
+    name) and `use_tma` override the table (benchmarks and tests); `lpt=False` deals tiles in plain
+    expert order. None of these change the result.
+    """
+    if a.dtype not in _DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"weight_grad kernel takes bf16/fp16/fp32 a and b of one dtype, got {a.dtype}, {b.dtype}")
+    R, P = a.shape
+    Q = b.shape[1]
+    E = schedule.num_experts
+    if R != schedule.capacity:
+        raise ValueError(f"a has {R} rows, the schedule's capacity is {schedule.capacity}")
+    if not gather and b.shape[0] != R:
+        raise ValueError(f"b has {b.shape[0]} rows, expected {R} (or pass gather=True with the token tensor)")
+    if gather and b.shape[0] != schedule.num_tokens:
+        raise ValueError(f"x has {b.shape[0]} tokens, the schedule has {schedule.num_tokens}")
+    if P % num_outputs:
+        raise ValueError(f"P={P} does not split into {num_outputs} outputs")
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    if b.stride(-1) != 1:
+        b = b.contiguous()
+    P_out = P // num_outputs
+
+    if config is None:
+        config = pick_config(P_out, Q, schedule.block_m)
+    elif isinstance(config, str):
+        config = CONFIGS[config]
+    config = _resolve_block_k(config, schedule.block_m)
+
+    outs = tuple(common.empty((E, P_out, Q), a.dtype, a.device) for _ in range(num_outputs))
+    if use_tma is None:
+        use_tma = common.supports_tma() and a.is_cuda
+    use_tma = use_tma and _tma_ok(a, *outs, *(() if gather else (b,)))
+    if use_tma and a.is_cuda:
+        common.install_tma_allocator()
+
+    n_tiles = E * num_outputs * triton.cdiv(P_out, config.block_p) * triton.cdiv(Q, config.block_q)
+    grid = (min(n_tiles, common.num_sms(a.device.index if a.is_cuda else None)),)
+    offsets = schedule.expert_offsets
+    _wgrad_kernel[grid](
+        a, b, schedule.row_source, offsets, outs[0], outs[-1],
+        R, P, Q, P_out, E, schedule.top_k, b.shape[0],
+        a.stride(0), b.stride(0), outs[0].stride(0), outs[0].stride(1),
+        BP=config.block_p, BQ=config.block_q, BK=config.block_k, GROUP_P=config.group_p,
+        NUM_OUT=num_outputs, B_GATHER=gather, USE_TMA=use_tma, SUBTILE=config.epilogue_subtile and use_tma,
+        LPT=lpt, E_PAD=triton.next_power_of_2(E), NUM_STAGES=config.num_stages, UPCAST=common.INTERPRET,
+        # fp32 inputs (tests) get true fp32 products; 16-bit inputs ignore it on the GPU
+        PRECISION="ieee" if a.dtype == torch.float32 or common.INTERPRET else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return outs
+
+
+# ---------------------------------------------------------------- the stages (same signatures as serval.stages)
+
+def weight_grad(a: torch.Tensor, b: torch.Tensor, schedule: Schedule, *, config=None) -> torch.Tensor:
+    """dW[e] = a[seg e].T @ b[seg e]; a [R, P], b [R, Q] -> [E, P, Q]; an expert with no rows gets exact zeros."""
+    return grouped_wgrad(a, b, schedule, config=config)[0]
+
+
+def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Schedule, *, gather: bool = True,
+                        config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg], x rows gathered inside the kernel.
+
+    gather=False materialises x_rows first (`serval.stages.gather`): the variant kept for timing.
+    """
+    if not gather:
+        from ..stages import gather as gather_rows
+
+        return grouped_wgrad(d_gate_up, gather_rows(x, schedule), schedule, num_outputs=2, config=config)
+    return grouped_wgrad(d_gate_up, x, schedule, num_outputs=2, gather=True, config=config)
+
+
+def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule: Schedule, *, config=None) -> torch.Tensor:
+    """d_w_down [E, H, I] = d_y_rows[seg].T @ h_weighted[seg]."""
+    return grouped_wgrad(d_y_rows, h_weighted, schedule, config=config)[0]

@@ -1,0 +1,59 @@
+"""Test setup: Triton's CPU interpreter where there is no GPU, NaN-poisoned kernel outputs, shared helpers.
+
+The environment must be set before triton or serval is imported.
+"""
+
+import os
+import shutil
+
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def make_routing(num_tokens, num_experts, top_k, *, kind="random", device="cpu", dtype=torch.float32, seed=0):
+    """(router_weights [N, k], topk_ids [N, k]) with k distinct experts per token.
+
+    kind: "random"; "skewed" (every token's first slot on expert 0); "empty" (only the first
+    k + 1 experts used; requires num_experts > top_k + 1 to leave some empty); "one" (k = 1, all on expert 0).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    if kind == "skewed":
+        scores[:, 0] = 2.0
+    elif kind == "empty":
+        scores[:, top_k + 1:] = -1.0
+    elif kind == "one":
+        scores[:, 0] = 2.0
+    ids = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return weights.to(device=device, dtype=dtype), ids.to(device)
+
+
+def make_layer(num_tokens, hidden, inter, num_experts, *, shared_inter=0, device="cpu", dtype=torch.float32,
+               seed=0, scale=1.0):
+    """x and weights for one layer, scaled so activations stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, fan_in):
+        return (torch.randn(*shape, generator=gen) * scale / fan_in ** 0.5).to(device=device, dtype=dtype)
+
+    x = torch.randn(num_tokens, hidden, generator=gen).to(device=device, dtype=dtype)
+    weights = [rand(num_experts, inter, hidden, fan_in=hidden), rand(num_experts, inter, hidden, fan_in=hidden),
+               rand(num_experts, hidden, inter, fan_in=inter)]
+    shared = None
+    if shared_inter:
+        shared = (rand(shared_inter, hidden, fan_in=hidden), rand(shared_inter, hidden, fan_in=hidden),
+                  rand(hidden, shared_inter, fan_in=shared_inter))
+    return x, weights, shared
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

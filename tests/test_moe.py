@@ -1,0 +1,217 @@
+"""serval.moe against the reference: values, gradients, determinism, edge cases, bad input, compile, graphs."""
+
+import pytest
+import torch
+
+import serval
+from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
+from serval import reference
+
+# (name, N, H, I, E, k, routing kind, shared intermediate, swiglu_limit); sizes are not multiples of any tile
+CASES = [
+    ("random", 37, 24, 20, 6, 2, "random", 0, None),
+    ("shared+limit", 29, 24, 12, 5, 3, "random", 10, 0.6),
+    ("skewed", 40, 16, 12, 4, 2, "skewed", 0, None),
+    ("empty-experts", 21, 16, 8, 8, 2, "empty", 6, None),
+    ("k1-one-expert", 33, 16, 12, 3, 1, "one", 0, 1.5),
+    ("one-token", 1, 16, 8, 4, 2, "random", 4, None),
+    ("single-expert", 11, 8, 4, 1, 1, "random", 0, None),
+]
+
+
+def backends(device):
+    """Backends that run on this device: the torch stages everywhere, the Triton kernels when built."""
+    names = ["torch"]
+    try:
+        from serval import kernels
+    except ImportError:
+        return names
+    return names + ["triton"] if hasattr(kernels, "gate_up_weight_grad") else names
+
+
+def run_layer(case, *, device="cpu", dtype=torch.float32, config=None, seed=0, fn=serval.moe, rounded_to=None):
+    """(y, grads of x, router_weights, weights, shared weights) for one case.
+
+    rounded_to: draw the layer in this dtype, then convert to `dtype` (the reference of a bf16 run sees
+    exactly the bf16 inputs).
+    """
+    _, N, H, I, E, k, kind, shared_inter, limit = case
+    x, weights, shared = make_layer(N, H, I, E, shared_inter=shared_inter, device=device,
+                                    dtype=rounded_to or dtype, seed=seed)
+    x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+    shared = None if shared is None else tuple(w.to(dtype) for w in shared)
+    rw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    rw, ids = make_routing(N, E, k, kind=kind, device=device, dtype=rw_dtype, seed=seed)
+    inputs = [x, rw, *weights, *(shared or ())]
+    for t in inputs:
+        t.requires_grad_()
+    kwargs = dict(swiglu_limit=limit)
+    if config is not None:
+        kwargs["config"] = config
+    y = fn(x, rw, ids, *weights, shared, **kwargs)
+    d_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1))
+    d_y = d_y.to(device=device, dtype=rounded_to or dtype).to(dtype)
+    grads = torch.autograd.grad(y, inputs, d_y)
+    return y.detach(), grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fp32_matches_reference(case):
+    for backend in backends("cpu"):
+        config = serval.Config(block_m=16, backend=backend)
+        y, grads = run_layer(case, config=config)
+        y_ref, grads_ref = run_layer(case, dtype=torch.float64, fn=reference.moe)
+        assert rel_err(y, y_ref) < 1e-5, backend
+        for g, g_ref in zip(grads, grads_ref):
+            assert torch.isfinite(g).all(), backend
+            assert rel_err(g, g_ref) < 1e-5, backend
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_bf16_matches_reference(case):
+    device = "cuda" if CUDA else "cpu"
+    for backend in backends(device):
+        config = serval.Config(block_m=16 if device == "cpu" else 128, backend=backend)
+        y, grads = run_layer(case, device=device, dtype=torch.bfloat16, config=config)
+        y_ref, grads_ref = run_layer(case, dtype=torch.float64, fn=reference.moe, rounded_to=torch.bfloat16)
+        assert rel_err(y.cpu(), y_ref) < 2e-2, backend
+        for g, g_ref in zip(grads, grads_ref):
+            assert rel_err(g.cpu(), g_ref) < 3e-2, backend
+
+
+def test_gradcheck():
+    x, (wg, wu, wd), shared = make_layer(7, 6, 4, 3, shared_inter=3, dtype=torch.float64)
+    rw, ids = make_routing(7, 3, 2, dtype=torch.float64)
+    config = serval.Config(block_m=16, backend="torch")
+
+    def f(x, rw, wg, wu, wd, *shared):
+        return serval.moe(x, rw, ids, wg, wu, wd, shared, config=config, swiglu_limit=0.9)
+
+    assert torch.autograd.gradcheck(f, [t.requires_grad_() for t in (x, rw, wg, wu, wd, *shared)])
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_bitwise_deterministic(recompute):
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    config = serval.Config(block_m=16, recompute=recompute)
+    first = run_layer(CASES[1], device=device, dtype=dtype, config=config)
+    second = run_layer(CASES[1], device=device, dtype=dtype, config=config)
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+    if recompute:  # recomputing the pre-activations changes nothing
+        kept = run_layer(CASES[1], device=device, dtype=dtype, config=serval.Config(block_m=16))
+        assert torch.equal(first[0], kept[0])
+        assert all(torch.equal(a, b) for a, b in zip(first[1], kept[1]))
+
+
+def test_functional_api():
+    from serval import functional
+
+    x, (wg, wu, wd), shared = make_layer(19, 16, 8, 4, shared_inter=8)
+    rw, ids = make_routing(19, 4, 2)
+    ws = functional.get_workspace(19, 2, 16, 4, config=serval.Config(block_m=16))
+    assert ws is functional.get_workspace(19, 2, 16, 4, config=serval.Config(block_m=16))
+    schedule = functional.build_schedule(ids, 4, block_m=16)
+    assert schedule.capacity == ws.capacity_rows
+    config = serval.Config(block_m=16, recompute=True)
+    y, ctx = functional.forward(x, rw, schedule, wg, wu, wd, shared, config=config)
+    assert ctx.gate_up is None
+    ctx = functional.recompute_forward_context(ctx, x, wg, wu, shared, config=config)
+    d_y = torch.randn_like(y)
+    grads = functional.backward(d_y, ctx, x, rw, wg, wu, wd, shared, config=config)
+    inputs = [t.requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
+    expected = torch.autograd.grad(reference.moe(x, rw, ids, wg, wu, wd, shared), inputs, d_y)
+    got = [grads.x, grads.router_weights, grads.w_gate, grads.w_up, grads.w_down, *grads.shared]
+    for g, e in zip(got, expected):
+        assert rel_err(g, e) < 1e-5
+
+
+def test_bad_inputs_name_the_argument():
+    x, (wg, wu, wd), shared = make_layer(8, 16, 8, 4, shared_inter=4)
+    rw, ids = make_routing(8, 4, 2)
+
+    def call(**override):
+        args = dict(x=x, router_weights=rw, topk_ids=ids, w_gate=wg, w_up=wu, w_down=wd, shared=shared)
+        kwargs = {k: override.pop(k) for k in ("config", "swiglu_limit") if k in override}
+        args.update(override)
+        return serval.moe(*args.values(), **kwargs)
+
+    bad = [
+        (dict(x=x[:, :15].contiguous()), "w_gate"),
+        (dict(x=x.t()), "x"),
+        (dict(x=x[None]), "x"),
+        (dict(router_weights=rw.double()), "router_weights"),
+        (dict(router_weights=rw[:5]), "router_weights"),
+        (dict(topk_ids=ids.float()), "topk_ids"),
+        (dict(topk_ids=ids[:, :1]), "topk_ids"),
+        (dict(topk_ids=ids + 4), "topk_ids"),
+        (dict(topk_ids=ids - 1 - ids), "topk_ids"),
+        (dict(w_up=wu.double()), "w_up"),
+        (dict(w_down=wd.transpose(1, 2).contiguous()), "w_down"),
+        (dict(w_gate=wg[:1], w_up=wu[:1], w_down=wd[:1]), "top-k"),
+        (dict(shared=shared[:2]), "shared"),
+        (dict(shared=(shared[0], shared[1][:3], shared[2])), "ws_up"),
+        (dict(swiglu_limit=-1.0), "swiglu_limit"),
+        (dict(config="fast"), "config"),
+    ]
+    for override, name in bad:
+        with pytest.raises((ValueError, TypeError), match=name):
+            call(**override)
+    with pytest.raises(ValueError, match="precision"):
+        serval.Config(precision="fp4")
+    with pytest.raises(ValueError, match="minibatch_size"):
+        serval.Config(minibatch_size=100)
+    with pytest.raises(ValueError, match="capacity_multiplier"):
+        serval.Config(capacity_multiplier=0.5)
+    with pytest.raises(NotImplementedError, match="mxfp8"):
+        call(config=serval.Config(precision="mxfp8"))
+
+
+def test_torch_compile_fullgraph():
+    x, (wg, wu, wd), shared = make_layer(13, 16, 8, 4, shared_inter=8)
+    rw, ids = make_routing(13, 4, 2)
+    config = serval.Config(block_m=16)
+
+    def step(x, rw, wg, wu, wd):
+        return serval.moe(x, rw, ids, wg, wu, wd, shared, config=config).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    inputs = [t.requires_grad_() for t in (x, rw, wg, wu, wd)]
+    eager_loss = step(*inputs)
+    eager_grads = torch.autograd.grad(eager_loss, inputs)
+    loss = compiled(*inputs)
+    grads = torch.autograd.grad(loss, inputs)
+    assert torch.equal(loss, eager_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
+@requires_cuda
+def test_no_host_sync_and_cuda_graph():
+    x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
+    rw, ids = make_routing(512, 8, 2, device="cuda")
+    inputs = [t.requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
+
+    def step():
+        y = serval.moe(x, rw, ids, wg, wu, wd, shared)
+        return (y, *torch.autograd.grad(y, inputs, d_y))
+
+    d_y = torch.randn_like(x)
+    eager = step()  # warm-up: kernels compiled, allocator primed
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))

@@ -1,0 +1,78 @@
+"""The routing schedule: layout invariants, capacity, order, and (on GPU) no host sync."""
+
+import pytest
+import torch
+
+from conftest import make_routing, requires_cuda
+from serval.schedule import build_schedule, capacity_rows, dense_schedule
+
+
+def check_schedule(ids, num_experts, block_m):
+    num_tokens, top_k = ids.shape
+    s = build_schedule(ids, num_experts, block_m)
+    assert s.capacity == capacity_rows(num_tokens * top_k, num_experts, block_m)
+    flat = ids.reshape(-1).cpu()
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert s.tokens_per_expert.cpu().tolist() == counts.tolist()
+    offsets = s.expert_offsets.cpu()
+    assert offsets[0] == 0 and (offsets % block_m == 0).all()
+    assert ((offsets[1:] - offsets[:-1]) == (counts + block_m - 1) // block_m * block_m).all()
+    assert offsets[-1] <= s.capacity
+    row_source = s.row_source.cpu()
+    for e in range(num_experts):
+        seg = row_source[offsets[e]:offsets[e + 1]]
+        real, pad = seg[: counts[e]], seg[counts[e]:]
+        assert (pad == -1).all()
+        assert (flat[real.long()] == e).all()
+        assert (real[1:] > real[:-1]).all(), "rows of an expert must be in ascending source order"
+    assert (row_source[offsets[-1]:] == -1).all()
+    # source_row is the inverse of row_source
+    source_row = s.source_row.cpu().reshape(-1)
+    assert (row_source[source_row.long()] == torch.arange(num_tokens * top_k)).all()
+    tile_expert = s.tile_expert.cpu()
+    for i, e in enumerate(tile_expert.tolist()):
+        start = i * block_m
+        if start >= offsets[-1]:
+            assert e == -1
+        else:
+            assert offsets[e] <= start < offsets[e + 1]
+    return s
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "empty"])
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_schedule_layout(kind, block_m):
+    rw, ids = make_routing(37, 6, 3, kind=kind)
+    check_schedule(ids, 6, block_m)
+
+
+def test_schedule_edges():
+    check_schedule(torch.zeros(1, 1, dtype=torch.int64), 1, 8)  # one token, one expert, k = 1
+    check_schedule(torch.zeros(50, 1, dtype=torch.int64), 4, 16)  # every token on one expert
+    check_schedule(torch.tensor([[3, 1]]), 5, 4)  # one token, k = 2
+
+
+def test_capacity_holds_worst_case():
+    # every expert gets one row less than a multiple of the tile, the worst padding there is
+    block_m, num_experts = 8, 5
+    ids = torch.arange(num_experts).repeat_interleave(block_m + 1).view(-1, 1)
+    s = check_schedule(ids, num_experts, block_m)
+    assert s.expert_offsets[-1] <= s.capacity
+
+
+def test_dense_schedule():
+    s = dense_schedule(10, 8, "cpu")
+    assert s.capacity == 16 and s.row_source.tolist() == list(range(10)) + [-1] * 6
+    assert s.tile_expert.tolist() == [0, 0]
+
+
+@requires_cuda
+def test_schedule_no_host_sync():
+    rw, ids = make_routing(4096, 64, 8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = build_schedule(ids, 64, 128)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_schedule(ids, 64, 128)
