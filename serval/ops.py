@@ -2,9 +2,11 @@
 
 MXFP8 (OCP Microscaling v1.0): blocks of 32 consecutive elements share one
 power-of-two scale stored as E8M0 (a biased exponent byte, 2^(byte - 127));
-elements are FP8 E4M3. The shared exponent is floor(log2(amax)) - 8, 8 being the
-exponent of E4M3's largest normal (448 = 1.75 * 2^8), so the block maximum
-lands in [256, 512) before the cast, which saturates to +-448.
+elements are FP8 E4M3 (largest normal 448). The scale is the smallest power of
+two with amax / scale <= 448, i.e. 2^ceil(log2(amax / 448)), so the block maximum
+lands in (224, 448] and nothing saturates. (OCP's example rule,
+2^(floor(log2(amax)) - 8), clips block values in (448, 512) x scale to 448;
+rounding the scale up, as NVIDIA's MXFP8 training recipes do, avoids that.)
 Row-wise blocks run along the last dimension, column-wise along the first
 (what a GEMM's A and B^T operands need for the forward and the weight gradient).
 """
@@ -17,7 +19,6 @@ import torch
 
 MX_BLOCK = 32
 E4M3_MAX = 448.0
-E4M3_EMAX = 8
 
 
 class MXFP8Tensor(NamedTuple):
@@ -30,9 +31,10 @@ class MXFP8Tensor(NamedTuple):
 
 def _quantize_last_dim(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = t.float().reshape(*t.shape[:-1], t.shape[-1] // MX_BLOCK, MX_BLOCK)
-    amax = blocks.abs().amax(dim=-1)
-    _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2(amax)) = exponent - 1
-    shared_exp = torch.where(amax > 0, exponent - 1 - E4M3_EMAX, -127).clamp(-127, 127)
+    ratio = blocks.abs().amax(dim=-1) / E4M3_MAX
+    mantissa, exponent = torch.frexp(ratio)  # ratio = m * 2^e, m in [0.5, 1): ceil(log2(ratio)) = e - (m == 0.5)
+    shared_exp = exponent - (mantissa == 0.5).to(exponent.dtype)
+    shared_exp = torch.where(ratio > 0, shared_exp, -127).clamp(-127, 127)
     scaled = blocks * torch.exp2(-shared_exp.float())[..., None]
     data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(t.shape)
     return data, (shared_exp + 127).to(torch.uint8)

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from ..schedule import Schedule
 from . import common
+from .rows import gather as gather_rows
 
 # ---------------------------------------------------------------- configuration
 
@@ -64,6 +65,8 @@ class TileConfig:
     num_stages: int = 3
     # let the pipeliner overlap one tile's epilogue with the next tile's loads
     flatten: bool = True
+    # epilogue in column chunks of block_n // epi_split (1, 2 or 4)
+    epi_split: int = 1
 
 
 # Chosen from ENVIRONMENT.md's Triton 3.6 measurements on the H200 (persistent TMA,
@@ -75,14 +78,14 @@ CONFIGS = {
     "hopper": {
         "gate_up_swiglu": TileConfig(128, 128, 64, flatten=False),
         "down": TileConfig(128, 256, 64),
-        "down_dgrad_swiglu": TileConfig(128, 128, 64, flatten=False),
+        "down_dgrad_swiglu": TileConfig(128, 128, 64, flatten=False, epi_split=4),
         "gate_up_dgrad": TileConfig(128, 256, 64, flatten=False),
     },
     # CPU interpreter: small tiles so that tests exercise partial N/K tiles on tiny shapes
     "interpret": {
         "gate_up_swiglu": TileConfig(32, 32, 32, group_m=2),
         "down": TileConfig(32, 32, 32, group_m=2),
-        "down_dgrad_swiglu": TileConfig(32, 32, 32, group_m=2),
+        "down_dgrad_swiglu": TileConfig(32, 32, 32, group_m=2, epi_split=2),
         "gate_up_dgrad": TileConfig(32, 32, 32, group_m=2),
     },
 }
@@ -176,23 +179,78 @@ def _load_tile(desc, ptr, stride, m0, n0, n_limit, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _swiglu_parts(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
-    """fp32 (clamped gate, clamped up, sigmoid(gate)), as stages._swiglu_parts."""
+def _swiglu_h(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """h = silu(gate) * up in fp32 from the stored (bf16-rounded) pre-activations, as stages.swiglu.
+
+    _swiglu_bwd_chunk recomputes h with the same operations, so the backward sees exactly the h
+    that the forward stored and fed to the down GEMM.
+    """
     if HAS_LIMIT:
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-    return gate, up, tl.sigmoid(gate)
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
-def _swiglu_h(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
-    """h = silu(gate) * up from the stored (bf16-rounded) pre-activations, in fp32.
+def _split_columns(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(tile[:, :BLOCK_N // 2], tile[:, BLOCK_N // 2:])."""
+    return tl.split(tile.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
 
-    Forward and backward both call this, so the backward recomputes exactly the h that
-    the forward stored and fed to the down GEMM.
+
+@triton.jit
+def _column_chunks(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """The tile as a tuple of SPLIT (1, 2 or 4) column chunks, left to right."""
+    if SPLIT == 1:
+        return (tile,)
+    elif SPLIT == 2:
+        return _split_columns(tile, BLOCK_M, BLOCK_N)
+    else:
+        left, right = _split_columns(tile, BLOCK_M, BLOCK_N)
+        left0, left1 = _split_columns(left, BLOCK_M, BLOCK_N // 2)
+        right0, right1 = _split_columns(right, BLOCK_M, BLOCK_N // 2)
+        return (left0, left1, right0, right1)
+
+
+@triton.jit
+def _swiglu_bwd_chunk(d_h_raw, rw, m0, n0, n_limit, g_desc, u_desc, c0_desc, c1_desc, h_desc,
+                      gate_up_ptr, c_ptr, stride_c, h_ptr, swiglu_limit,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr):
+    """SwiGLU backward of one [BLOCK_M, BLOCK_N] chunk of the down dgrad; returns its d_rw row partials.
+
+    As stages.down_dgrad_swiglu: d_h = rw * d_h_raw, d_gate = d_h * up * silu'(gate), d_up = d_h * silu(gate),
+    no gradient through an active clamp; h is recomputed exactly as the forward stored it. Ordered so that
+    few fp32 temporaries are live at once: the gate half is reduced to (silu, silu') before up is loaded.
     """
-    gate, up, sig = _swiglu_parts(gate, up, swiglu_limit, HAS_LIMIT)
-    return gate * sig * up
+    dtype = c_ptr.dtype.element_ty
+    pre_gate = _load_tile(g_desc, gate_up_ptr, stride_c, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(pre_gate, swiglu_limit)
+    else:
+        gate = pre_gate
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    d_silu = sig * (1 + gate * (1 - sig))
+    if HAS_LIMIT:
+        d_silu = d_silu * (pre_gate <= swiglu_limit).to(tl.float32)
+    pre_up = _load_tile(u_desc, gate_up_ptr + n_limit, stride_c, m0, n0, n_limit, BLOCK_M, BLOCK_N,
+                        USE_TMA).to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(pre_up, -swiglu_limit), swiglu_limit)
+    else:
+        up = pre_up
+    # the h the forward stored (same ops as _swiglu_h: (gate * sig) * up, rounded once)
+    h = (silu * up).to(dtype).to(tl.float32)
+    # router-weight gradient partial: <d_h_raw, h> over these columns (both are zero past n_limit)
+    d_rw_part = tl.sum(d_h_raw * h, axis=1)
+    d_h = d_h_raw * rw[:, None]
+    d_up = d_h * silu
+    if HAS_LIMIT:
+        d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(tl.float32)
+    _store_tile(c1_desc, c_ptr + n_limit, stride_c, d_up.to(dtype), m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
+    _store_tile(c0_desc, c_ptr, stride_c, (d_h * up * d_silu).to(dtype), m0, n0, n_limit, BLOCK_M, BLOCK_N,
+                USE_TMA)
+    _store_tile(h_desc, h_ptr, n_limit, (h * rw[:, None]).to(dtype), m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
+    return d_rw_part
 
 
 # ---------------------------------------------------------------- the kernel
@@ -215,10 +273,12 @@ def _grouped_gemm_kernel(
     NUM_SMS: tl.constexpr,
     A_GATHER: tl.constexpr, W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
 ):
     DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
     SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [R, 2 N_OUT] and [R, N_OUT]
     A_POINTERS: tl.constexpr = A_GATHER or not USE_TMA
+    EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
     dtype = w0_ptr.dtype.element_ty
 
     # used tiles only: the count lives on the device, no host sync
@@ -250,20 +310,20 @@ def _grouped_gemm_kernel(
         else:
             a1_desc = a0_desc
         c0_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, N_OUT], strides=[stride_c, 1],
-                                            block_shape=[BLOCK_M, BLOCK_N])
+                                            block_shape=[BLOCK_M, EPI_N])
         if SWIGLU:
             c1_desc = tl.make_tensor_descriptor(c_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[stride_c, 1],
-                                                block_shape=[BLOCK_M, BLOCK_N])
+                                                block_shape=[BLOCK_M, EPI_N])
             h_desc = tl.make_tensor_descriptor(h_ptr, shape=[num_rows, N_OUT], strides=[N_OUT, 1],
-                                               block_shape=[BLOCK_M, BLOCK_N])
+                                               block_shape=[BLOCK_M, EPI_N])
         else:
             c1_desc = c0_desc
             h_desc = c0_desc
         if EPILOGUE == "swiglu_bwd":
             g_desc = tl.make_tensor_descriptor(gate_up_ptr, shape=[num_rows, N_OUT], strides=[2 * N_OUT, 1],
-                                               block_shape=[BLOCK_M, BLOCK_N])
+                                               block_shape=[BLOCK_M, EPI_N])
             u_desc = tl.make_tensor_descriptor(gate_up_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[2 * N_OUT, 1],
-                                               block_shape=[BLOCK_M, BLOCK_N])
+                                               block_shape=[BLOCK_M, EPI_N])
         else:
             g_desc = c0_desc
             u_desc = c0_desc
@@ -306,48 +366,39 @@ def _grouped_gemm_kernel(
                 acc1 = _mma(a, b1, acc1, UPCAST)
         if K_SPLIT:  # the same accumulator continues over A's second K columns against w1
             for k in range(0, K, BLOCK_K):
-                a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, K, K, BLOCK_K, A_POINTERS)
+                a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, 0, K, BLOCK_K, A_POINTERS)
                 b = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
                 acc0 = _mma(a, b, acc0, UPCAST)
 
-        # ------------------------------------------------ epilogues
+        # ------------------------------------------------ epilogues, EPI_SPLIT column chunks at a time
+        # (smaller store staging in shared memory; for swiglu_bwd, fewer live fp32 temporaries: unsplit it spilled)
+        chunks0 = _column_chunks(acc0, BLOCK_M, BLOCK_N, EPI_SPLIT)
         if EPILOGUE == "store":
-            _store_tile(c0_desc, c_ptr, stride_c, acc0.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+            for c in tl.static_range(EPI_SPLIT):
+                _store_tile(c0_desc, c_ptr, stride_c, chunks0[c].to(dtype), m0, n0 + c * EPI_N, N_OUT,
+                            BLOCK_M, EPI_N, USE_TMA)
 
         elif EPILOGUE == "swiglu_fwd":
-            # gate_up is stored rounded; h is computed from the rounded values, as the torch stage does
-            gate = acc0.to(dtype)
-            up = acc1.to(dtype)
-            _store_tile(c0_desc, c_ptr, stride_c, gate, m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
-            _store_tile(c1_desc, c_ptr + N_OUT, stride_c, up, m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
-            h = _swiglu_h(gate.to(tl.float32), up.to(tl.float32), swiglu_limit, HAS_LIMIT)
-            _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+            chunks1 = _column_chunks(acc1, BLOCK_M, BLOCK_N, EPI_SPLIT)
+            for c in tl.static_range(EPI_SPLIT):
+                # gate_up is stored rounded; h is computed from the rounded values, as the torch stage does
+                gate = chunks0[c].to(dtype)
+                up = chunks1[c].to(dtype)
+                _store_tile(c0_desc, c_ptr, stride_c, gate, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N, USE_TMA)
+                _store_tile(c1_desc, c_ptr + N_OUT, stride_c, up, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
+                            USE_TMA)
+                h = _swiglu_h(gate.to(tl.float32), up.to(tl.float32), swiglu_limit, HAS_LIMIT)
+                _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N, USE_TMA)
 
-        else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e] (the unscaled d_h)
-            pre_gate = _load_tile(g_desc, gate_up_ptr, 2 * N_OUT, m0, n0, N_OUT, BLOCK_M, BLOCK_N,
-                                  USE_TMA).to(tl.float32)
-            pre_up = _load_tile(u_desc, gate_up_ptr + N_OUT, 2 * N_OUT, m0, n0, N_OUT, BLOCK_M, BLOCK_N,
-                                USE_TMA).to(tl.float32)
-            gate, up, sig = _swiglu_parts(pre_gate, pre_up, swiglu_limit, HAS_LIMIT)
-            silu = gate * sig
-            # the h the forward stored: same helper, same rounding
-            h = _swiglu_h(pre_gate, pre_up, swiglu_limit, HAS_LIMIT).to(dtype).to(tl.float32)
-            # d_router_weight partial: <d_h_raw, h> over this tile's columns (zeros past N_OUT on both sides)
-            d_rw_part = tl.sum(acc0 * h, axis=1)
-            tl.store(d_rw_partial_ptr + rows.to(tl.int64) * num_n_tiles + n_tile, d_rw_part)
-
+        else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e], the unscaled d_h
             source = tl.load(row_source_ptr + rows)
-            rw = tl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)[:, None]
-            d_h = acc0 * rw
-            d_gate = d_h * up * sig * (1 + gate * (1 - sig))
-            d_up = d_h * silu
-            if HAS_LIMIT:  # the clamps pass no gradient where they were active
-                d_gate = d_gate * (pre_gate <= swiglu_limit).to(tl.float32)
-                d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(tl.float32)
-            _store_tile(c0_desc, c_ptr, stride_c, d_gate.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
-            _store_tile(c1_desc, c_ptr + N_OUT, stride_c, d_up.to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N,
-                        USE_TMA)
-            _store_tile(h_desc, h_ptr, N_OUT, (h * rw).to(dtype), m0, n0, N_OUT, BLOCK_M, BLOCK_N, USE_TMA)
+            rw = tl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
+            d_rw_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for c in tl.static_range(EPI_SPLIT):  # the row partials are added in column order
+                d_rw_part += _swiglu_bwd_chunk(chunks0[c], rw, m0, n0 + c * EPI_N, N_OUT, g_desc, u_desc,
+                                               c0_desc, c1_desc, h_desc, gate_up_ptr, c_ptr, stride_c, h_ptr,
+                                               swiglu_limit, BLOCK_M, EPI_N, HAS_LIMIT, USE_TMA)
+            tl.store(d_rw_partial_ptr + rows.to(tl.int64) * num_n_tiles + n_tile, d_rw_part)
 
 
 @triton.jit
@@ -423,20 +474,29 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         NUM_SMS=num_programs,
         A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        EPI_SPLIT=config.epi_split, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
+# Forward A operand: ENVIRONMENT.md measured gather kernel + TMA GEMM (673 / 550 TFLOP/s with the gather,
+# kimi / qwen3) ahead of the gather fused into the GEMM's pointer loads (588 / 514); re-measured by
+# benchmarks/kernel_stages.py.
+FUSED_GATHER = False
+
+
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *,
-                   a_rows: torch.Tensor | None = None, config: TileConfig | None = None,
-                   use_tma: bool | None = None):
+                   fused_gather: bool | None = None, a_rows: torch.Tensor | None = None,
+                   config: TileConfig | None = None, use_tma: bool | None = None):
     """Gather + grouped GEMM gate/up + SwiGLU: (gate_up [R, 2I], h [R, I]).
 
-    By default x rows are gathered inside the GEMM (A_GATHER); pass `a_rows` (= rows.gather(x))
-    to read an already gathered [R, H] buffer through TMA instead.
+    fused_gather: gather x rows inside the GEMM (A_GATHER) instead of a gather kernel + TMA reads of the
+    gathered rows (default FUSED_GATHER). a_rows: the already gathered rows (= rows.gather(x, schedule)).
     """
     _check(x, w_gate, w_up)
     num_rows, (_, inter, hidden) = schedule.capacity, w_gate.shape
+    fused = FUSED_GATHER if fused_gather is None else fused_gather
+    if a_rows is None and not fused:
+        a_rows = gather_rows(x, schedule)
     gate_up = common.empty((num_rows, 2 * inter), x.dtype, x.device)
     h = common.empty((num_rows, inter), x.dtype, x.device)
     a = a_rows if a_rows is not None else x

@@ -146,11 +146,13 @@ def _tile_coords(t, rank, E, n_p, n_q, LPT: tl.constexpr, NUM_OUT: tl.constexpr,
 def _load_a(a_desc, a_ptr, row, col, R, P, stride_a, BK: tl.constexpr, BP: tl.constexpr, USE_TMA: tl.constexpr):
     """A tile [BK, BP] at (row, col); columns past P read as zero."""
     if USE_TMA:
-        return a_desc.load([row, col])
-    rows = row + tl.arange(0, BK)
-    cols = col + tl.arange(0, BP)
-    ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :]
-    return tl.load(ptrs, mask=(cols < P)[None, :], other=0.0)
+        a = a_desc.load([row, col])
+    else:
+        rows = row + tl.arange(0, BK)
+        cols = col + tl.arange(0, BP)
+        ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :]
+        a = tl.load(ptrs, mask=(cols < P)[None, :], other=0.0)
+    return a
 
 
 @triton.jit
@@ -163,12 +165,14 @@ def _load_b(b_desc, b_ptr, row_source_ptr, row, col, Q, stride_b, top_k,
         source = tl.load(row_source_ptr + row + tl.arange(0, BK))
         token = tl.where(source >= 0, source // top_k, 0)
         ptrs = b_ptr + token.to(tl.int64)[:, None] * stride_b + cols[None, :]
-        return tl.load(ptrs, mask=(source >= 0)[:, None] & (cols < Q)[None, :], other=0.0)
-    if USE_TMA:
-        return b_desc.load([row, col])
-    rows = row + tl.arange(0, BK)
-    ptrs = b_ptr + rows.to(tl.int64)[:, None] * stride_b + cols[None, :]
-    return tl.load(ptrs, mask=(cols < Q)[None, :], other=0.0)
+        b = tl.load(ptrs, mask=(source >= 0)[:, None] & (cols < Q)[None, :], other=0.0)
+    elif USE_TMA:
+        b = b_desc.load([row, col])
+    else:
+        rows = row + tl.arange(0, BK)
+        ptrs = b_ptr + rows.to(tl.int64)[:, None] * stride_b + cols[None, :]
+        b = tl.load(ptrs, mask=(cols < Q)[None, :], other=0.0)
+    return b
 
 
 @triton.jit
@@ -228,20 +232,17 @@ def _wgrad_kernel(
     if LPT:
         rank = _expert_ranks(offsets_ptr, E, E_PAD, CHUNK=min(E_PAD, 32))
 
-    # items dealt round by round; with LPT the rounds alternate direction (snake), so the longest tiles,
-    # which come first, go one per program. This program's item count, without an `if` in the loop:
+    # Items are dealt round by round; with LPT the rounds alternate direction (snake), so the longest
+    # tiles, which come first, go one per program. Position in round r, and this program's item count,
+    # are computed branch-free: a runtime `if` in the outer loop stopped Triton from pipelining the
+    # inner loop's pointer loads (seen in the sm_90 TTGIR).
+    snake = 1 if LPT else 0
     full_rounds = total // num_programs
-    last_pos = pid
-    if LPT:
-        if full_rounds % 2 == 1:
-            last_pos = num_programs - 1 - pid
+    last_pos = pid + snake * (full_rounds % 2) * (num_programs - 1 - 2 * pid)
     my_rounds = full_rounds + (last_pos < total % num_programs).to(tl.int32)
 
     for r in range(0, my_rounds):
-        pos = pid
-        if LPT:
-            if r % 2 == 1:
-                pos = num_programs - 1 - pid
+        pos = pid + snake * (r % 2) * (num_programs - 1 - 2 * pid)
         expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, rank, E, n_p, n_q,
                                                  LPT, NUM_OUT, E_PAD, GROUP_P)
         p0 = pid_p * BP

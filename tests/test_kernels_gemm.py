@@ -1,0 +1,334 @@
+"""The Triton stages (serval.kernels: grouped GEMMs and row kernels) against the torch stages (serval.stages).
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter on tiny shapes
+(H, I not multiples of the tiles, several routing shapes); with CUDA, the GPU tests at
+real sizes run too. Every kernel output is NaN-poisoned before the kernel runs
+(SERVAL_POISON_OUTPUTS=1), so an element a kernel forgets to write shows as NaN; every
+kernel runs twice and must give bitwise-identical results.
+
+Tolerances: the interpreter's `.to(bfloat16)` truncates instead of rounding (up to one
+bf16 ulp per rounding), so elementwise checks allow a few ulps plus a small absolute
+term for cancellation; an indexing or masking bug gives O(1) errors, far outside them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before serval.kernels is imported (conftest.py does the same)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
+
+from serval import stages  # noqa: E402
+from serval.kernels import common, grouped_gemm, rows  # noqa: E402
+from serval.schedule import build_schedule, dense_schedule  # noqa: E402
+
+CUDA = torch.cuda.is_available() and not common.INTERPRET
+DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (sm_90 for TMA)")
+
+# ---------------------------------------------------------------- inputs
+
+# (tokens, slots, experts, how topk_ids are drawn) for the interpreter-sized cases
+ROUTINGS = {
+    "random": (40, 3, 5, "random"),
+    "empty_experts": (33, 2, 6, "two_experts"),  # experts 0, 2, 3, 5 get no rows
+    "one_expert": (37, 1, 4, "last_expert"),  # every token to the last expert
+    "k1": (50, 1, 3, "random"),
+    "one_token": (1, 4, 6, "random"),
+}
+HIDDEN, INTER = 80, 48  # not multiples of the interpreter's 32-wide N/K tiles
+
+
+def make_topk_ids(num_tokens, top_k, num_experts, how, generator):
+    if how == "random":  # k distinct experts per token, as a top-k router gives
+        return torch.rand(num_tokens, num_experts, generator=generator).argsort(dim=1)[:, :top_k]
+    if how == "two_experts":
+        return torch.tensor([1, 4])[torch.randint(0, 2, (num_tokens, top_k), generator=generator)]
+    if how == "last_expert":
+        return torch.full((num_tokens, top_k), num_experts - 1)
+    raise ValueError(how)
+
+
+def make_case(routing: str, block_m: int = 16, hidden: int = HIDDEN, inter: int = INTER, seed: int = 0,
+              device: str = DEVICE):
+    """Fresh random bf16 inputs and the schedule for one routing case."""
+    num_tokens, top_k, num_experts, how = ROUTINGS[routing] if isinstance(routing, str) else routing
+    g = torch.Generator().manual_seed(seed)
+    topk_ids = make_topk_ids(num_tokens, top_k, num_experts, how, g)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=torch.bfloat16)
+
+    case = dict(
+        x=randn(num_tokens, hidden),
+        d_y=randn(num_tokens, hidden),
+        w_gate=randn(num_experts, inter, hidden, scale=hidden**-0.5),
+        w_up=randn(num_experts, inter, hidden, scale=hidden**-0.5),
+        w_down=randn(num_experts, hidden, inter, scale=inter**-0.5),
+        router_weights=torch.rand(num_tokens, top_k, generator=g).to(device),
+        schedule=build_schedule(topk_ids.to(device), num_experts, block_m),
+    )
+    return case
+
+
+def make_dense_case(num_tokens=45, block_m=16, hidden=HIDDEN, inter=INTER, seed=1, device=DEVICE):
+    """The shared expert: one expert, every token once (rows = tokens), router weight 1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=torch.bfloat16)
+
+    return dict(
+        x=randn(num_tokens, hidden),
+        d_y=randn(num_tokens, hidden),
+        w_gate=randn(1, inter, hidden, scale=hidden**-0.5),
+        w_up=randn(1, inter, hidden, scale=hidden**-0.5),
+        w_down=randn(1, hidden, inter, scale=inter**-0.5),
+        router_weights=torch.ones(num_tokens, 1, device=device),
+        schedule=dense_schedule(num_tokens, block_m, device),
+    )
+
+
+# ---------------------------------------------------------------- checks
+
+
+def valid_rows(schedule):
+    return schedule.row_source >= 0
+
+
+def assert_close(actual, expected, rows=None, name=""):
+    """Elementwise within a few bf16 ulps (+ 1% of the largest value), and no NaN where checked."""
+    if rows is not None:
+        actual, expected = actual[rows], expected[rows]
+    actual, expected = actual.float(), expected.float()
+    assert not torch.isnan(actual).any(), f"{name}: NaN (an element the kernel did not write)"
+    rtol = 3e-2 if common.INTERPRET else 1.6e-2
+    atol = 1e-2 * expected.abs().max().clamp(min=1e-6)
+    bad = (actual - expected).abs() > rtol * expected.abs() + atol
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())} of {bad.numel()} elements off; first at {bad.nonzero()[0].tolist()}: "
+        f"{actual[bad][0].item()} vs {expected[bad][0].item()}")
+
+
+def rel_err(actual, expected):
+    actual, expected = actual.float(), expected.float()
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-12)).item()
+
+
+def assert_bitwise_equal(first, second, name=""):
+    """Bitwise, NaN fill included (torch.equal would call two NaNs different)."""
+    for a, b in zip(first if isinstance(first, tuple) else (first,), second if isinstance(second, tuple) else (second,)):
+        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        assert torch.equal(a.view(view), b.view(view)), f"{name}: two runs differ"
+
+
+def run_twice(fn, *args, **kwargs):
+    first = fn(*args, **kwargs)
+    assert_bitwise_equal(first, fn(*args, **kwargs), getattr(fn, "__name__", ""))
+    return first
+
+
+# ---------------------------------------------------------------- row kernels
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_gather(routing):
+    case = make_case(routing)
+    out = run_twice(rows.gather, case["x"], case["schedule"])
+    # exact, padding rows (all zeros, as the stage promises) included
+    assert torch.equal(out, stages.gather(case["x"], case["schedule"]))
+
+
+def test_gather_dense():
+    case = make_dense_case()
+    assert torch.equal(run_twice(rows.gather, case["x"], case["schedule"]), stages.gather(case["x"], case["schedule"]))
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_combine_and_sum_slots(routing, with_shared):
+    case = make_case(routing)
+    schedule = case["schedule"]
+    g = torch.Generator().manual_seed(5)
+    expert_out = torch.randn(schedule.capacity, HIDDEN, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    shared = case["d_y"] if with_shared else None
+    y = run_twice(rows.combine, expert_out, case["router_weights"], schedule, shared)
+    assert_close(y, stages.combine(expert_out, case["router_weights"], schedule, shared), name="combine")
+    d_x = run_twice(rows.sum_slots, expert_out, schedule, shared)
+    assert_close(d_x, stages.sum_slots(expert_out, schedule, shared), name="sum_slots")
+
+
+def test_combine_dense_shared():
+    case = make_dense_case()
+    schedule = case["schedule"]
+    expert_out = rows.gather(case["d_y"], schedule)
+    y = run_twice(rows.combine, expert_out, case["router_weights"], schedule, case["x"])
+    assert_close(y, stages.combine(expert_out, case["router_weights"], schedule, case["x"]), name="combine")
+
+
+# ---------------------------------------------------------------- grouped GEMMs
+
+TMA_CHOICES = [False, True]  # pointer loads / tensor descriptors (both run in the 3.9 interpreter)
+
+
+def _forward_reference(case, limit):
+    return stages.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], case["schedule"], limit)
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("limit", [None, 0.5])
+@pytest.mark.parametrize("a_source", ["fused_gather", "rows_tma", "rows_pointers"])
+def test_gate_up_swiglu(routing, limit, a_source):
+    case = make_case(routing)
+    schedule = case["schedule"]
+    kwargs = dict(fused_gather=a_source == "fused_gather", use_tma=a_source != "rows_pointers")
+    gate_up, h = run_twice(grouped_gemm.gate_up_swiglu, case["x"], case["w_gate"], case["w_up"], schedule, limit,
+                           **kwargs)
+    ref_gate_up, ref_h = _forward_reference(case, limit)
+    assert_close(gate_up, ref_gate_up, valid_rows(schedule), "gate_up")
+    assert_close(h, ref_h, valid_rows(schedule), "h")
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("use_tma", TMA_CHOICES)
+def test_down(routing, use_tma):
+    case = make_case(routing)
+    schedule = case["schedule"]
+    h = _forward_reference(case, None)[1]
+    out = run_twice(grouped_gemm.down, h, case["w_down"], schedule, use_tma=use_tma)
+    assert_close(out, stages.down(h, case["w_down"], schedule), valid_rows(schedule), "down")
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("limit", [None, 0.5])
+@pytest.mark.parametrize("use_tma", TMA_CHOICES)
+def test_down_dgrad_swiglu(routing, limit, use_tma):
+    case = make_case(routing)
+    schedule = case["schedule"]
+    gate_up = _forward_reference(case, limit)[0]
+    d_y_rows = stages.gather(case["d_y"], schedule)
+    args = (d_y_rows, case["w_down"], gate_up, case["router_weights"], schedule, limit)
+    d_gate_up, h_weighted, d_rw_rows = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma)
+    ref = stages.down_dgrad_swiglu(*args)
+    rows_ok = valid_rows(schedule)
+    assert_close(d_gate_up, ref[0], rows_ok, "d_gate_up")
+    assert_close(h_weighted, ref[1], rows_ok, "h_weighted")
+    assert_close(d_rw_rows, ref[2], rows_ok, "d_rw_rows")
+    assert d_rw_rows.dtype == torch.float32
+    # rows past the used tiles are defined: zero
+    used = int(schedule.expert_offsets[-1])
+    assert torch.equal(d_rw_rows[used:], torch.zeros_like(d_rw_rows[used:]))
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("use_tma", TMA_CHOICES)
+def test_gate_up_dgrad(routing, use_tma):
+    case = make_case(routing)
+    schedule = case["schedule"]
+    g = torch.Generator().manual_seed(3)
+    d_gate_up = torch.randn(schedule.capacity, 2 * INTER, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    d_gate_up[~valid_rows(schedule)] = 0  # as the down dgrad leaves padding rows
+    out = run_twice(grouped_gemm.gate_up_dgrad, d_gate_up, case["w_gate"], case["w_up"], schedule, use_tma=use_tma)
+    ref = stages.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule)
+    assert_close(out, ref, valid_rows(schedule), "d_x_rows")
+
+
+@pytest.mark.parametrize("use_tma", TMA_CHOICES)
+def test_shared_expert_dense_schedule(use_tma):
+    """All four GEMMs on the shared expert's schedule (one expert, rows = tokens, rw = 1)."""
+    case = make_dense_case()
+    schedule, limit = case["schedule"], 0.75
+    rows_ok = valid_rows(schedule)
+    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit,
+                                             use_tma=use_tma)
+    ref_gate_up, ref_h = _forward_reference(case, limit)
+    assert_close(gate_up, ref_gate_up, rows_ok, "gate_up")
+    assert_close(h, ref_h, rows_ok, "h")
+    assert_close(grouped_gemm.down(ref_h, case["w_down"], schedule, use_tma=use_tma),
+                 stages.down(ref_h, case["w_down"], schedule), rows_ok, "down")
+    d_y_rows = stages.gather(case["d_y"], schedule)
+    args = (d_y_rows, case["w_down"], ref_gate_up, case["router_weights"], schedule, limit)
+    for name, got, ref in zip(("d_gate_up", "h_weighted", "d_rw_rows"),
+                              grouped_gemm.down_dgrad_swiglu(*args, use_tma=use_tma), stages.down_dgrad_swiglu(*args)):
+        assert_close(got, ref, rows_ok, name)
+    d_gate_up = stages.down_dgrad_swiglu(*args)[0]
+    assert_close(grouped_gemm.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
+                 stages.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule), rows_ok, "d_x_rows")
+
+
+def test_tile_smaller_than_schedule_block():
+    """A kernel M-tile may divide the schedule's block_m (each tile still has one expert)."""
+    case = make_case("random", block_m=32)
+    schedule = case["schedule"]
+    config = grouped_gemm.TileConfig(16, 32, 32, group_m=3)
+    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, None, config=config)
+    ref_gate_up, ref_h = _forward_reference(case, None)
+    assert_close(gate_up, ref_gate_up, valid_rows(schedule), "gate_up")
+    out = grouped_gemm.down(ref_h, case["w_down"], schedule, config=config)
+    assert_close(out, stages.down(ref_h, case["w_down"], schedule), valid_rows(schedule), "down")
+
+
+def test_configs_are_consistent():
+    for table in grouped_gemm.CONFIGS.values():
+        for stage, config in table.items():
+            assert hasattr(grouped_gemm, stage)
+            assert config.block_n % config.epi_split == 0 and config.epi_split in (1, 2, 4)
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+GPU_SHAPE = dict(num_tokens=4096, top_k=8, num_experts=8, hidden=2048, inter=768)
+
+
+def _gpu_case(how="random", seed=0):
+    s = GPU_SHAPE
+    routing = (s["num_tokens"], s["top_k"], s["num_experts"], how)
+    return make_case(routing, block_m=128, hidden=s["hidden"], inter=s["inter"], seed=seed, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("how", ["random", "last_expert"])
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_gpu_all_stages(how, use_tma):
+    case = _gpu_case(how)
+    schedule, limit = case["schedule"], 7.0
+    rows_ok = valid_rows(schedule)
+
+    def check(got, ref, name):
+        got, ref = got[rows_ok], ref[rows_ok]
+        assert not torch.isnan(got).any(), name
+        assert rel_err(got, ref) < 1e-2, f"{name}: rel err {rel_err(got, ref)}"
+
+    ref_gate_up, ref_h = _forward_reference(case, limit)
+    for fused in (True, False):
+        gate_up, h = run_twice(grouped_gemm.gate_up_swiglu, case["x"], case["w_gate"], case["w_up"], schedule, limit,
+                               fused_gather=fused, use_tma=use_tma)
+        check(gate_up, ref_gate_up, "gate_up")
+        check(h, ref_h, "h")
+    check(run_twice(grouped_gemm.down, ref_h, case["w_down"], schedule, use_tma=use_tma),
+          stages.down(ref_h, case["w_down"], schedule), "down")
+    d_y_rows = stages.gather(case["d_y"], schedule)
+    args = (d_y_rows, case["w_down"], ref_gate_up, case["router_weights"], schedule, limit)
+    got = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma)
+    ref = stages.down_dgrad_swiglu(*args)
+    for name, a, b in zip(("d_gate_up", "h_weighted", "d_rw_rows"), got, ref):
+        check(a, b, name)
+    check(run_twice(grouped_gemm.gate_up_dgrad, ref[0], case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
+          stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule), "d_x_rows")
+
+
+@needs_cuda
+def test_gpu_rows():
+    case = _gpu_case()
+    schedule = case["schedule"]
+    assert torch.equal(run_twice(rows.gather, case["x"], schedule), stages.gather(case["x"], schedule))
+    expert_out = stages.gather(case["d_y"], schedule)
+    for shared in (None, case["x"]):
+        y = run_twice(rows.combine, expert_out, case["router_weights"], schedule, shared)
+        assert rel_err(y, stages.combine(expert_out, case["router_weights"], schedule, shared)) < 1e-2
+        d_x = run_twice(rows.sum_slots, expert_out, schedule, shared)
+        assert rel_err(d_x, stages.sum_slots(expert_out, schedule, shared)) < 1e-2
