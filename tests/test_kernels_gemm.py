@@ -260,6 +260,47 @@ def test_shared_expert_dense_schedule(use_tma):
                  stages.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule), rows_ok, "d_x_rows")
 
 
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_backward_recomputes_forward_h_exactly(limit):
+    """With router weight 1, h_weighted of the down dgrad is bitwise the h the forward kernel stored."""
+    case = make_case("random")
+    schedule = case["schedule"]
+    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit)
+    ones = torch.ones_like(case["router_weights"])
+    d_y_rows = stages.gather(case["d_y"], schedule)
+    _, h_weighted, _ = grouped_gemm.down_dgrad_swiglu(d_y_rows, case["w_down"], gate_up, ones, schedule, limit)
+    rows_ok = valid_rows(schedule)
+    assert_bitwise_equal(h_weighted[rows_ok], h[rows_ok], "h")
+
+
+@pytest.mark.parametrize("use_tma", TMA_CHOICES)
+def test_fp32_operands(use_tma):
+    """fp32 operands: exact fp32 dot products, no rounding step, so the stages agree to fp32 accumulation order."""
+    case = {k: v.float() if torch.is_tensor(v) and v.dtype == torch.bfloat16 else v
+            for k, v in make_case("random").items()}
+    schedule, limit = case["schedule"], 0.5
+    rows_ok = valid_rows(schedule)
+
+    def check(got, ref, name):
+        got, ref = got[rows_ok], ref[rows_ok]
+        assert got.dtype == ref.dtype == torch.float32, name
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=name)
+
+    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit,
+                                             use_tma=use_tma)
+    ref_gate_up, ref_h = _forward_reference(case, limit)
+    check(gate_up, ref_gate_up, "gate_up")
+    check(h, ref_h, "h")
+    check(grouped_gemm.down(ref_h, case["w_down"], schedule, use_tma=use_tma),
+          stages.down(ref_h, case["w_down"], schedule), "down")
+    args = (stages.gather(case["d_y"], schedule), case["w_down"], ref_gate_up, case["router_weights"], schedule, limit)
+    got, ref = grouped_gemm.down_dgrad_swiglu(*args, use_tma=use_tma), stages.down_dgrad_swiglu(*args)
+    for name, a, b in zip(("d_gate_up", "h_weighted", "d_rw_rows"), got, ref):
+        check(a, b, name)
+    check(grouped_gemm.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
+          stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule), "d_x_rows")
+
+
 def test_tile_smaller_than_schedule_block():
     """A kernel M-tile may divide the schedule's block_m (each tile still has one expert)."""
     case = make_case("random", block_m=32)

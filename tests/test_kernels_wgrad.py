@@ -94,9 +94,12 @@ def test_gate_up_weight_grad_fused_gather(kind, n, k, e, i, h):
 def test_down_weight_grad(kind, n, k, e, i, h):
     schedule, d_y_rows, _ = _case(kind, n, k, e, h, 1, seed=1)
     h_weighted = torch.randn(schedule.capacity, i, device=DEVICE) * (schedule.row_source >= 0)[:, None]
-    out = wg.down_weight_grad(d_y_rows, h_weighted, schedule)
-    _check_close(out, stages.down_weight_grad(d_y_rows, h_weighted, schedule), torch.float32)
-    _assert_empty_experts_zero((out,), schedule)
+    ref = stages.down_weight_grad(d_y_rows, h_weighted, schedule)
+    for flatten in (True, False):  # the one-loop and the loop-per-tile kernels
+        out = wg.grouped_wgrad(d_y_rows, h_weighted, schedule, flatten=flatten)[0]
+        _check_close(out, ref, torch.float32)
+        _assert_empty_experts_zero((out,), schedule)
+    assert torch.equal(wg.down_weight_grad(d_y_rows, h_weighted, schedule), out)
 
 
 @pytest.mark.parametrize("block_m", [16, 32] if not ON_GPU else [128])

@@ -20,9 +20,14 @@ constexpr switches select the variant, so the compiler specialises each use:
 * EPILOGUE: "store" (plain bf16 store), "swiglu_fwd" (two accumulators, gate from w0
   and up from w1, stores gate_up and h = silu(gate) * up), "swiglu_bwd" (the down
   dgrad fused with the SwiGLU backward and the router-weight gradient).
-* USE_TMA: tensor descriptors (Hopper TMA) for the weights, a materialised A and the
-  outputs; otherwise masked pointer loads/stores (the interpreter-free fallback and a
-  variant worth timing). UPCAST: fp32 dot operands (the interpreter's bf16 dot is wrong).
+* USE_TMA: tensor descriptors (`tl.make_tensor_descriptor`, Hopper TMA) for the weights,
+  a materialised A and the outputs; otherwise masked pointer loads/stores (the fallback
+  for tensors TMA cannot address, i.e. rows or halves not 16-byte aligned, and a variant
+  worth timing). Both paths run in Triton 3.9's interpreter.
+* HAS_LIMIT: the SwiGLU clamps (swiglu_limit). EPI_SPLIT: the epilogue works on 1, 2
+  or 4 column chunks of the tile (fewer live registers, smaller store staging).
+  FLATTEN: let the pipeliner overlap a tile's epilogue with the next tile's loads.
+  UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set it there only).
 
 Persistent: the grid is one program per SM; program p takes tiles p, p + NUM_SMS, ...
 of the used tiles only. The used-tile count is read on the device
@@ -69,11 +74,18 @@ class TileConfig:
     epi_split: int = 1
 
 
-# Chosen from ENVIRONMENT.md's Triton 3.6 measurements on the H200 (persistent TMA,
-# 128x256x64, 8 warps, 3 stages: 676-699 TFLOP/s on these shapes); the dual-accumulator
-# and the SwiGLU-backward epilogues hold two/five [128, N] fp32 tiles, so they take
-# 128-wide N tiles (the same 128 fp32 accumulator registers per thread as 128x256).
-# benchmarks/kernel_stages.py times the alternatives; change an entry only with its numbers.
+# The choice, per stage (Hopper; block_m is capped at the schedule's block_m):
+# * start from ENVIRONMENT.md's Triton 3.6 H200 measurement: persistent TMA, 128x256x64, 8 warps,
+#   3 stages reached 676-699 TFLOP/s on these shapes: down and gate_up_dgrad use it as is.
+# * gate_up_swiglu has two accumulators (gate, up): 128x128 each is the same 128 fp32 registers per
+#   thread as one 128x256 (128x256 each spilled ~1 KB in an sm_90 compile with Triton 3.6).
+# * down_dgrad_swiglu's epilogue (SwiGLU backward) holds several fp32 temporaries per element: a
+#   128x128 tile in one piece spilled 2 KB; in 4 column chunks (epi_split=4) it compiles to 255
+#   registers and no spill.
+# * flatten (overlap the epilogue with the next tile's loads) on the plain-store stages; off where
+#   the epilogue is large or the K loop is two loops (a guess until timed; with flatten=True the
+#   fused-gather forward lost its cp.async pipelining in the sm_90 compile).
+# benchmarks/kernel_stages.py times the alternatives on the H200; change an entry only with its numbers.
 CONFIGS = {
     "hopper": {
         "gate_up_swiglu": TileConfig(128, 128, 64, flatten=False),
@@ -81,6 +93,10 @@ CONFIGS = {
         "down_dgrad_swiglu": TileConfig(128, 128, 64, flatten=False, epi_split=4),
         "gate_up_dgrad": TileConfig(128, 256, 64, flatten=False),
     },
+    # fp32 operands on the GPU (exact fp32 dots on the FMA units, for checks, not speed): small tiles;
+    # 64x64x32 spilled kilobytes in the sm_90 compile, 32x64x16 compiles without spills
+    "hopper_fp32": {stage: TileConfig(32, 64, 16, num_warps=4, num_stages=2, flatten=False)
+                    for stage in ("gate_up_swiglu", "down", "down_dgrad_swiglu", "gate_up_dgrad")},
     # CPU interpreter: small tiles so that tests exercise partial N/K tiles on tiny shapes
     "interpret": {
         "gate_up_swiglu": TileConfig(32, 32, 32, group_m=2),
@@ -91,8 +107,10 @@ CONFIGS = {
 }
 
 
-def default_config(stage: str) -> TileConfig:
-    return CONFIGS["interpret" if common.INTERPRET else "hopper"][stage]
+def default_config(stage: str, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    if common.INTERPRET:
+        return CONFIGS["interpret"][stage]
+    return CONFIGS["hopper_fp32" if dtype == torch.float32 else "hopper"][stage]
 
 
 # ---------------------------------------------------------------- kernel pieces
@@ -149,6 +167,8 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
     if UPCAST:  # interpreter: bf16 tl.dot is wrong there, fp32 is exact enough
         a = a.to(tl.float32)
         b = b.to(tl.float32)
+    if a.dtype == tl.float32:  # fp32 operands mean fp32 products (never TF32), as the torch stages compute
+        return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
@@ -179,6 +199,19 @@ def _load_tile(desc, ptr, stride, m0, n0, n_limit, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _clamp_gate(gate, limit):
+    """gate.clamp(max=limit); NaN stays NaN, as in torch (PTX min/max would drop it)."""
+    return tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _clamp_up(up, limit):
+    """up.clamp(-limit, limit); NaN stays NaN."""
+    return tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _swiglu_h(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
     """h = silu(gate) * up in fp32 from the stored (bf16-rounded) pre-activations, as stages.swiglu.
 
@@ -186,8 +219,8 @@ def _swiglu_h(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
     that the forward stored and fed to the down GEMM.
     """
     if HAS_LIMIT:
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        gate = _clamp_gate(gate, swiglu_limit)
+        up = _clamp_up(up, swiglu_limit)
     return gate * tl.sigmoid(gate) * up
 
 
@@ -224,7 +257,7 @@ def _swiglu_bwd_chunk(d_h_raw, rw, m0, n0, n_limit, g_desc, u_desc, c0_desc, c1_
     dtype = c_ptr.dtype.element_ty
     pre_gate = _load_tile(g_desc, gate_up_ptr, stride_c, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA).to(tl.float32)
     if HAS_LIMIT:
-        gate = tl.minimum(pre_gate, swiglu_limit)
+        gate = _clamp_gate(pre_gate, swiglu_limit)
     else:
         gate = pre_gate
     sig = tl.sigmoid(gate)
@@ -235,7 +268,7 @@ def _swiglu_bwd_chunk(d_h_raw, rw, m0, n0, n_limit, g_desc, u_desc, c0_desc, c1_
     pre_up = _load_tile(u_desc, gate_up_ptr + n_limit, stride_c, m0, n0, n_limit, BLOCK_M, BLOCK_N,
                         USE_TMA).to(tl.float32)
     if HAS_LIMIT:
-        up = tl.minimum(tl.maximum(pre_up, -swiglu_limit), swiglu_limit)
+        up = _clamp_up(pre_up, swiglu_limit)
     else:
         up = pre_up
     # the h the forward stored (same ops as _swiglu_h: (gate * sig) * up, rounded once)
@@ -366,7 +399,7 @@ def _grouped_gemm_kernel(
                 acc1 = _mma(a, b1, acc1, UPCAST)
         if K_SPLIT:  # the same accumulator continues over A's second K columns against w1
             for k in range(0, K, BLOCK_K):
-                a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, 0, K, BLOCK_K, A_POINTERS)
+                a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, K, K, BLOCK_K, A_POINTERS)
                 b = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
                 acc0 = _mma(a, b, acc0, UPCAST)
 
@@ -429,9 +462,11 @@ def _tma_compatible(*tensors_and_offsets) -> bool:
 
 
 def _check(a: torch.Tensor, *weights: torch.Tensor):
+    """bf16 (the fast path), fp16, or fp32 (exact fp32 dot products: slow on the GPU, for checks), all one dtype."""
     for t in (a, *weights):
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"the Triton grouped GEMM takes bf16/fp16 operands, got {t.dtype}")
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or t.dtype != a.dtype:
+            raise TypeError(f"the Triton grouped GEMM takes bf16, fp16 or fp32 operands of one dtype, "
+                            f"got {[t.dtype for t in (a, *weights)]}")
 
 
 def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gather: bool, w_nk: bool,
@@ -502,7 +537,7 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
     a = a_rows if a_rows is not None else x
     _launch(a=a.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=gate_up, h=h,
             schedule=schedule, n_out=inter, k=hidden, a_gather=a_rows is None, w_nk=True, k_split=False,
-            epilogue="swiglu_fwd", config=config or default_config("gate_up_swiglu"), use_tma=use_tma,
+            epilogue="swiglu_fwd", config=config or default_config("gate_up_swiglu", x.dtype), use_tma=use_tma,
             swiglu_limit=swiglu_limit)
     return gate_up, h
 
@@ -514,7 +549,7 @@ def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use
     out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
     _launch(a=h.contiguous(), weights=(w_down.contiguous(),), out=out, h=None, schedule=schedule,
             n_out=hidden, k=inter, a_gather=False, w_nk=True, k_split=False, epilogue="store",
-            config=config or default_config("down"), use_tma=use_tma)
+            config=config or default_config("down", h.dtype), use_tma=use_tma)
     return out
 
 
@@ -527,7 +562,7 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     _check(d_y_rows, w_down, gate_up)
     hidden, inter = w_down.shape[1:]
     num_rows = schedule.capacity
-    config = config or default_config("down_dgrad_swiglu")
+    config = config or default_config("down_dgrad_swiglu", gate_up.dtype)
     num_n_tiles = triton.cdiv(inter, config.block_n)
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
@@ -553,5 +588,5 @@ def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, config: TileCo
     out = common.empty((schedule.capacity, hidden), d_gate_up.dtype, d_gate_up.device)
     _launch(a=d_gate_up.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=out, h=None,
             schedule=schedule, n_out=hidden, k=inter, a_gather=False, w_nk=False, k_split=True,
-            epilogue="store", config=config or default_config("gate_up_dgrad"), use_tma=use_tma)
+            epilogue="store", config=config or default_config("gate_up_dgrad", d_gate_up.dtype), use_tma=use_tma)
     return out

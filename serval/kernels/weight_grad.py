@@ -16,20 +16,27 @@ One persistent kernel, `_wgrad_kernel`:
   expert's rows in ascending order, reading the segment bounds from
   `expert_offsets` on the device (no host sync). No split-K, no atomics: the
   result is bitwise deterministic and independent of which program ran what.
-* an expert with no rows runs zero K steps and stores its zero accumulator.
+* an expert with no rows stores exact zeros (zero K steps, or one discarded step when flattened).
 * B_GATHER: B rows come straight from the token tensor x [N, Q] through
   `row_source` (token = source // top_k, -1 = padding -> zero row), so the
   gathered x of the forward is neither kept nor re-materialised.
 * NUM_OUT = 2 splits the P axis into two outputs [E, P/2, Q] (gate and up),
   each written directly by the kernel: no copy, no views.
-* LPT: work items are ordered expert by expert, longest expert first (ranks
-  computed per program from `expert_offsets`, ties by expert id), and dealt to
-  the programs in a snake order (round r forward, round r+1 backward), so the
-  heavy tiles of a skewed routing land on different programs and the light
-  ones fill in behind them. Tiles of one expert stay adjacent, so programs
-  running at the same time share that expert's A/B rows in L2.
+* LPT: work items are ordered expert by expert, longest expert first (the
+  order computed by every program from `expert_offsets`, ties by expert id, and
+  kept in a per-program scratch row), and dealt to the programs in a snake order
+  (round r forward, round r+1 backward), so the heavy tiles of a skewed routing
+  land on different programs and the light ones fill in behind them. Tiles of
+  one expert stay adjacent, so programs running at the same time share that
+  expert's A/B rows in L2. Off: plain expert order, round-robin.
+* FLATTEN: all K steps of all of a program's tiles run as one software-pipelined
+  loop (the next tile's first loads are in flight while the current one
+  finishes, as in Triton's older persistent-matmul tutorial); off: a pipelined
+  K loop per tile, with a pipeline drain and refill at every tile switch.
+  (`tl.range(flatten=True)` does not apply: the inner trip count varies.)
 * USE_TMA: tensor descriptors for the A / B tiles and the output tile (Hopper,
   and the Triton >= 3.9 interpreter); otherwise plain pointer loads/stores.
+* UPCAST (interpreter only): fp32 dot operands, the interpreter's bf16 dot is wrong.
 
 Configs come from a fixed table (`pick_config`), never from timing.
 """
@@ -59,17 +66,21 @@ class WgradConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    group_p: int = 8  # P-tiles swizzled together so concurrent programs share B columns in L2
+    group_p: int = 8  # GROUP_P P-tiles sweep the Q-tiles together: concurrent programs reuse A and B strips in L2
     epilogue_subtile: bool = False  # store the [BP, BQ] tile as two [BP, BQ/2] halves (less shared memory)
+    flatten: bool = False  # one pipelined loop over all K steps of all tiles (no bubble between tiles)
 
 
 # Named configs for the H200 (bf16). 128x256x64 / 8 warps / 3 stages is what Triton's persistent TMA GEMM
 # ran at ~680-700 TFLOP/s there (ENVIRONMENT.md); the others are the alternatives the benchmark times.
+# All compile for sm_90 with Triton 3.6 without spills (shared memory: 213 KB for 128x256 / 3 stages,
+# 229 KB for 4 stages with the split epilogue, of 227 KiB).
 CONFIGS = {
-    "128x256": WgradConfig(128, 256, 64, num_warps=8, num_stages=3),
-    "128x256s": WgradConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True),
-    "256x128": WgradConfig(256, 128, 64, num_warps=8, num_stages=3),
-    "128x128": WgradConfig(128, 128, 64, num_warps=8, num_stages=4),
+    "128x256": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    "128x256-nested": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=False),
+    "128x256s": WgradConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True),
+    "256x128": WgradConfig(256, 128, 64, num_warps=8, num_stages=3, flatten=True),
+    "128x128": WgradConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
 }
 
 
@@ -82,13 +93,13 @@ def pick_config(p_out: int, q: int, block_m: int) -> WgradConfig:
     if common.INTERPRET:
         # the interpreter's cost is per op: small tiles keep the tiny CI shapes fast and exercise masking
         bp, bq = _pow2_at_most(p_out, 32), _pow2_at_most(q, 32)
-        return WgradConfig(bp, bq, min(16, block_m), num_warps=4, num_stages=2, group_p=2)
+        return WgradConfig(bp, bq, min(16, block_m), num_warps=4, num_stages=2, group_p=2, flatten=True)
     if p_out >= 128 and q >= 256:
         return CONFIGS["128x256"]
     if p_out >= 128 and q >= 128:
         return CONFIGS["128x128"]
     bp, bq = _pow2_at_most(p_out, 128), _pow2_at_most(q, 128)
-    return WgradConfig(bp, bq, 64, num_warps=4, num_stages=4)
+    return WgradConfig(bp, bq, 64, num_warps=4, num_stages=4, flatten=True)
 
 
 def _resolve_block_k(config: WgradConfig, block_m: int) -> WgradConfig:
@@ -101,10 +112,11 @@ def _resolve_block_k(config: WgradConfig, block_m: int) -> WgradConfig:
 # ---------------------------------------------------------------- kernel helpers
 
 @triton.jit
-def _expert_ranks(offsets_ptr, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """rank[e] = place of expert e when sorted by row count, longest first, ties by id (a permutation of 0..E-1).
+def _expert_order(offsets_ptr, order_ptr, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """order[s] = the expert of place s when experts are sorted by row count, longest first, ties by id.
 
-    Every program computes the same ranks from `expert_offsets`: an O(E^2) compare, done once per program.
+    Every program computes the same permutation from `expert_offsets` (an O(E^2) compare, once) and
+    writes it to its own scratch row, so a tile's expert is one scalar load. Returns rank = order^-1.
     """
     e = tl.arange(0, E_PAD)
     rows = tl.load(offsets_ptr + e + 1, mask=e < E, other=0) - tl.load(offsets_ptr + e, mask=e < E, other=0)
@@ -116,19 +128,19 @@ def _expert_ranks(offsets_ptr, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
         tie_first = (rows_f[None, :] == rows[:, None]) & (f[None, :] < e[:, None])
         ahead = (longer | tie_first) & (f < E)[None, :]
         rank += tl.sum(ahead.to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, e, mask=e < E)
+    tl.debug_barrier()  # the whole CTA reads the row back (global writes before bar.sync are visible after it)
     return rank
 
 
 @triton.jit
-def _tile_coords(t, rank, E, n_p, n_q, LPT: tl.constexpr, NUM_OUT: tl.constexpr, E_PAD: tl.constexpr,
-                 GROUP_P: tl.constexpr):
+def _tile_coords(t, order_ptr, n_p, n_q, LPT: tl.constexpr, NUM_OUT: tl.constexpr, GROUP_P: tl.constexpr):
     """Work item t -> (expert, output, P-tile, Q-tile); items are expert-major, P-tiles grouped by GROUP_P."""
     per_out = n_p * n_q
     slot = t // (NUM_OUT * per_out)
     local = t % (NUM_OUT * per_out)
     if LPT:
-        e_idx = tl.arange(0, E_PAD)
-        expert = tl.sum(tl.where((rank == slot) & (e_idx < E), e_idx, 0))
+        expert = tl.load(order_ptr + slot, volatile=True)  # volatile: read what this CTA just wrote, not L1
     else:
         expert = slot
     out = local // per_out
@@ -140,6 +152,14 @@ def _tile_coords(t, rank, E, n_p, n_q, LPT: tl.constexpr, NUM_OUT: tl.constexpr,
     pid_p = first_p + (local % per_group) % group_size
     pid_q = (local % per_group) // group_size
     return expert, out, pid_p, pid_q
+
+
+@triton.jit
+def _count_progression(lo, hi, first, step):
+    """How many of first, first + step, first + 2 step, ... lie in [lo, hi) (elementwise; lo >= 0)."""
+    n_hi = hi - first
+    n_lo = lo - first
+    return (tl.where(n_hi > 0, (n_hi + step - 1) // step, 0) - tl.where(n_lo > 0, (n_lo + step - 1) // step, 0))
 
 
 @triton.jit
@@ -197,21 +217,35 @@ def _store_tile(desc, ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op,
 # ---------------------------------------------------------------- the kernel
 
 @triton.jit
+def _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, c, expert, out, p0, q0, P_OUT, Q, stride_oe, stride_op,
+                  NUM_OUT: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr, USE_TMA: tl.constexpr,
+                  SUBTILE: tl.constexpr):
+    """Store the finished tile into output `out` (gate or up when NUM_OUT = 2)."""
+    if NUM_OUT == 1:
+        _store_tile(out0_desc, out0_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
+    elif out == 0:
+        _store_tile(out0_desc, out0_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
+    else:
+        _store_tile(out1_desc, out1_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
+
+
+@triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, row_source_ptr, offsets_ptr, out0_ptr, out1_ptr,
+    a_ptr, b_ptr, row_source_ptr, offsets_ptr, order_ptr, out0_ptr, out1_ptr,
     R, P, Q, P_OUT, E, top_k, B_ROWS,
     stride_a, stride_b, stride_oe, stride_op,
     BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, GROUP_P: tl.constexpr,
     NUM_OUT: tl.constexpr, B_GATHER: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
-    LPT: tl.constexpr, E_PAD: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    LPT: tl.constexpr, FLATTEN: tl.constexpr, E_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[o][e] = A[seg e, o*P_OUT : (o+1)*P_OUT].T @ B[seg e] for every expert e and output o."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     n_p = tl.cdiv(P_OUT, BP)
     n_q = tl.cdiv(Q, BQ)
-    total = E * NUM_OUT * n_p * n_q
+    per_expert = NUM_OUT * n_p * n_q
+    total = E * per_expert
 
     a_desc = None
     b_desc = None
@@ -228,9 +262,11 @@ def _wgrad_kernel(
             out1_desc = tl.make_tensor_descriptor(out1_ptr, shape=[E, P_OUT, Q], strides=[stride_oe, stride_op, 1],
                                                   block_shape=[1, BP, OUT_BQ])
 
-    rank = tl.zeros([E_PAD], dtype=tl.int32)
+    e_idx = tl.arange(0, E_PAD)
+    slot_of_expert = e_idx
+    order_ptr += pid * E_PAD
     if LPT:
-        rank = _expert_ranks(offsets_ptr, E, E_PAD, CHUNK=min(E_PAD, 32))
+        slot_of_expert = _expert_order(offsets_ptr, order_ptr, E, E_PAD, CHUNK=min(E_PAD, 32))
 
     # Items are dealt round by round; with LPT the rounds alternate direction (snake), so the longest
     # tiles, which come first, go one per program. Position in round r, and this program's item count,
@@ -241,40 +277,89 @@ def _wgrad_kernel(
     last_pos = pid + snake * (full_rounds % 2) * (num_programs - 1 - 2 * pid)
     my_rounds = full_rounds + (last_pos < total % num_programs).to(tl.int32)
 
-    for r in range(0, my_rounds):
-        pos = pid + snake * (r % 2) * (num_programs - 1 - 2 * pid)
-        expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, rank, E, n_p, n_q,
-                                                 LPT, NUM_OUT, E_PAD, GROUP_P)
-        p0 = pid_p * BP
-        q0 = pid_q * BQ
-        row_begin = tl.load(offsets_ptr + expert)
-        row_end = tl.load(offsets_ptr + expert + 1)
+    if not FLATTEN:
+        # one tile at a time: the K loop is software-pipelined, the tile switch is a bubble
+        for r in range(0, my_rounds):
+            pos = pid + snake * (r % 2) * (num_programs - 1 - 2 * pid)
+            expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, order_ptr, n_p, n_q, LPT, NUM_OUT, GROUP_P)
+            p0 = pid_p * BP
+            q0 = pid_q * BQ
+            row_begin = tl.load(offsets_ptr + expert)
+            row_end = tl.load(offsets_ptr + expert + 1)
 
-        # the reduction over the expert's rows, ascending: one fixed order, one program per tile
+            # the reduction over the expert's rows, ascending: one fixed order, one program per tile
+            acc = tl.zeros([BP, BQ], dtype=tl.float32)
+            for row in tl.range(row_begin, row_end, BK, num_stages=NUM_STAGES):
+                a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
+                b = _load_b(b_desc, b_ptr, row_source_ptr, row, q0, Q, stride_b, top_k, BK, BQ, B_GATHER, USE_TMA)
+                if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+            _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, acc.to(out0_ptr.dtype.element_ty), expert, out,
+                          p0, q0, P_OUT, Q, stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
+    else:
+        # All K steps of all this program's tiles in one pipelined loop, so the next tile's first loads are
+        # in flight while the current tile finishes. An empty expert takes one step (on rows 0.., whatever
+        # they hold) whose accumulator is replaced by zeros. Step count: per expert, max(steps, 1) times
+        # the number of this program's items in its slot (two arithmetic progressions with the snake).
+        lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+        hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+        steps = tl.maximum((hi - lo) // BK, 1)
+        first_item = slot_of_expert * per_expert
+        if LPT:
+            mine = (_count_progression(first_item, first_item + per_expert, pid, 2 * num_programs)
+                    + _count_progression(first_item, first_item + per_expert, 2 * num_programs - 1 - pid,
+                                         2 * num_programs))
+        else:
+            mine = _count_progression(first_item, first_item + per_expert, pid, num_programs)
+        total_steps = tl.sum(tl.where(e_idx < E, steps * mine, 0))
+
         acc = tl.zeros([BP, BQ], dtype=tl.float32)
-        for row in tl.range(row_begin, row_end, BK, num_stages=NUM_STAGES):
+        r = -1
+        kk = 0
+        n_k = 0
+        row_base = 0
+        empty = 0
+        expert = 0
+        out = 0
+        p0 = 0
+        q0 = 0
+        for _ in tl.range(0, total_steps, num_stages=NUM_STAGES):
+            if kk == 0:  # next tile: scalars only
+                r += 1
+                pos = pid + snake * (r % 2) * (num_programs - 1 - 2 * pid)
+                expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, order_ptr, n_p, n_q, LPT, NUM_OUT,
+                                                         GROUP_P)
+                p0 = pid_p * BP
+                q0 = pid_q * BQ
+                row_begin = tl.load(offsets_ptr + expert)
+                row_end = tl.load(offsets_ptr + expert + 1)
+                empty = (row_end == row_begin).to(tl.int32)
+                n_k = tl.maximum((row_end - row_begin) // BK, 1)
+                row_base = row_begin * (1 - empty)
+            row = row_base + kk * BK
             a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
             b = _load_b(b_desc, b_ptr, row_source_ptr, row, q0, Q, stride_b, top_k, BK, BQ, B_GATHER, USE_TMA)
-            if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact
+            if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-
-        c = acc.to(out0_ptr.dtype.element_ty)
-        if NUM_OUT == 1:
-            _store_tile(out0_desc, out0_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
-        elif out == 0:
-            _store_tile(out0_desc, out0_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
-        else:
-            _store_tile(out1_desc, out1_ptr, c, expert, p0, q0, P_OUT, Q, stride_oe, stride_op, BP, BQ, USE_TMA, SUBTILE)
+            kk += 1
+            if kk == n_k:  # tile done: store it and start the next accumulator
+                c = tl.where(empty != 0, 0.0, acc).to(out0_ptr.dtype.element_ty)
+                _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, c, expert, out, p0, q0, P_OUT, Q,
+                              stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
+                acc = tl.zeros([BP, BQ], dtype=tl.float32)
+                kk = 0
 
 
 # ---------------------------------------------------------------- host side
 
 def _tma_ok(*tensors) -> bool:
-    """TMA needs 16-byte aligned bases and row strides (and a unit inner stride)."""
+    """TMA needs a 16-byte aligned base, 16-byte multiple outer strides and a unit inner stride."""
     for t in tensors:
-        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
             return False
     return True
 
@@ -289,13 +374,14 @@ def grouped_wgrad(
     config: WgradConfig | str | None = None,
     use_tma: bool | None = None,
     lpt: bool = True,
+    flatten: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The kernel's entry point: `num_outputs` tensors [E, P / num_outputs, Q] in a's dtype.
 
     a [R, P]: the routed rows (R = schedule.capacity). b: [R, Q] routed rows, or with `gather` the token
     tensor [N, Q] whose rows are read through `schedule.row_source`. `config` (a WgradConfig or a CONFIGS
-    name) and `use_tma` override the table (benchmarks and tests); `lpt=False` deals tiles in plain
-    expert order. None of these change the result.
+    name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
+    plain expert order. None of these change the result.
     """
     if a.dtype not in _DTYPES or b.dtype != a.dtype:
         raise TypeError(f"weight_grad kernel takes bf16/fp16/fp32 a and b of one dtype, got {a.dtype}, {b.dtype}")
@@ -331,14 +417,18 @@ def grouped_wgrad(
 
     n_tiles = E * num_outputs * triton.cdiv(P_out, config.block_p) * triton.cdiv(Q, config.block_q)
     grid = (min(n_tiles, common.num_sms(a.device.index if a.is_cuda else None)),)
-    offsets = schedule.expert_offsets
+    e_pad = triton.next_power_of_2(E)
+    # per-program scratch row for the expert order (LPT); never read before the same program writes it
+    order = torch.empty(grid[0] * e_pad if lpt else 1, dtype=torch.int32, device=a.device)
+    if flatten is None:
+        flatten = config.flatten
     _wgrad_kernel[grid](
-        a, b, schedule.row_source, offsets, outs[0], outs[-1],
+        a, b, schedule.row_source, schedule.expert_offsets, order, outs[0], outs[-1],
         R, P, Q, P_out, E, schedule.top_k, b.shape[0],
         a.stride(0), b.stride(0), outs[0].stride(0), outs[0].stride(1),
         BP=config.block_p, BQ=config.block_q, BK=config.block_k, GROUP_P=config.group_p,
         NUM_OUT=num_outputs, B_GATHER=gather, USE_TMA=use_tma, SUBTILE=config.epilogue_subtile and use_tma,
-        LPT=lpt, E_PAD=triton.next_power_of_2(E), NUM_STAGES=config.num_stages, UPCAST=common.INTERPRET,
+        LPT=lpt, FLATTEN=flatten, E_PAD=e_pad, NUM_STAGES=config.num_stages, UPCAST=common.INTERPRET,
         # fp32 inputs (tests) get true fp32 products; 16-bit inputs ignore it on the GPU
         PRECISION="ieee" if a.dtype == torch.float32 or common.INTERPRET else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -1,0 +1,498 @@
+"""
+Benchmark MoE layer implementations side by side on one GPU (EP=1).
+
+Implementations (same inputs, same function, gradients by autograd):
+  serval            serval.moe (the fused kernel; imported lazily)
+  torch_grouped_mm  plain PyTorch: sort, gather, torch._grouped_mm, SiLU*up, _grouped_mm, fixed-order combine
+  hf_loop           the per-expert Python loop most model code uses (index_add_, syncs)
+  sonicmoe          SonicMoE 0.1.2.post1 (Dao AI Lab), moe_general_routing_inputs with our ids and weights
+
+Examples:
+  python benchmarks/bench_layer.py --tiny --impls torch_grouped_mm,hf_loop      # CPU smoke test, seconds
+  python benchmarks/bench_layer.py --impls serval,torch_grouped_mm,hf_loop --plot
+  source benchmarks/install_sonicmoe.sh && python benchmarks/bench_layer.py --impls sonicmoe
+SonicMoE's first call on each shape compiles and autotunes its GEMMs (minutes): run it in its own process;
+--sonic-configs caps its autotuning (default 3 configs per GEMM).
+
+Each record appended to --out: {shape, impl, scope, pass, ms, tflops, saved_mem_gib, peak_mem_gib,
+rel_err, rel_errs, error, date, gpu, torch, triton}. rel_err is the largest of the relative errors
+||a-b||/||b|| against torch_grouped_mm (y for fwd; y, d_x, d_rw, d_w_gate for fwdbwd); an implementation
+whose rel_err exceeds --tol is not timed (ms None, error "mismatch"). "fwd" times the training forward
+(autograd on); "fwdbwd" times forward + torch.autograd.grad for x, router_weights and every weight.
+saved_mem_gib: memory held by the autograd graph after forward (minus y); peak_mem_gib: peak of one timed
+call above the inputs. FLOPs as SPEC.md counts them: routed fwd 6*N*k*H*I, layer fwd 6*(N+N*k)*H*I,
+fwdbwd 3x fwd.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's serval
+
+# name: (H, I (= Is), E, k, N, has shared expert)
+SHAPES = {
+    "kimi-k2": (7168, 2048, 12, 8, 4096, True),
+    "glm-5": (6144, 2048, 16, 8, 8192, True),
+    "qwen3.5-397b": (4096, 1024, 20, 10, 5120, True),
+    "deepseek-v4-pro": (7168, 3072, 12, 6, 4096, True),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 16384, False),
+}
+TINY_SHAPES = {  # dims are multiples of 8: torch._grouped_mm wants 16-byte strides
+    "tiny-a": (64, 32, 4, 2, 48, True),
+    "tiny-b": (32, 16, 8, 3, 42, False),  # N*k/E = 15.75: experts get 15 or 16 rows
+}
+IMPLS = ["serval", "torch_grouped_mm", "hf_loop", "sonicmoe"]
+SCOPES = ["routed", "layer"]
+PASSES = ["fwd", "fwdbwd"]
+GIB = 2**30
+
+# -----------------------------------------------------------------------------
+# inputs
+
+
+def balanced_routing(N, E, k, gen, device):
+    """topk_ids [N, k]: k distinct experts per token, every expert gets N*k/E rows (+-1).
+    Row-major round robin over a random order of the tokens: the token at position i of the
+    order gets experts (i*k + j) % E for slot j, so its k experts are distinct when k <= E."""
+    order = torch.randperm(N, generator=gen, device=device)
+    slots = torch.arange(N * k, device=device).view(N, k) % E
+    ids = torch.empty(N, k, dtype=torch.int64, device=device)
+    ids[order] = slots
+    return ids
+
+
+def make_inputs(shape, device, seed=0):
+    H, I, E, k, N, _ = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda *size, scale=1.0: (torch.randn(*size, generator=gen, device=device) * scale).to(torch.bfloat16)
+    return dict(
+        shape=shape,
+        x=randn(N, H),
+        router_weights=torch.randn(N, k, generator=gen, device=device).softmax(-1),
+        topk_ids=balanced_routing(N, E, k, gen, device),
+        w_gate=randn(E, I, H, scale=H**-0.5),
+        w_up=randn(E, I, H, scale=H**-0.5),
+        w_down=randn(E, H, I, scale=I**-0.5),
+        ws_gate=randn(I, H, scale=H**-0.5),
+        ws_up=randn(I, H, scale=H**-0.5),
+        ws_down=randn(H, I, scale=I**-0.5),
+        dy=randn(N, H),
+    )
+
+
+def make_params(inp, scope):
+    """The differentiable tensors, fresh leaves, canonical layout; shared expert only for scope 'layer'."""
+    names = ["x", "router_weights", "w_gate", "w_up", "w_down"]
+    if scope == "layer":
+        names += ["ws_gate", "ws_up", "ws_down"]
+    return {n: inp[n].detach().clone().requires_grad_() for n in names}
+
+
+def shared_of(p):
+    return (p["ws_gate"], p["ws_up"], p["ws_down"]) if "ws_gate" in p else None
+
+
+def shared_mlp(x, shared):
+    ws_gate, ws_up, ws_down = shared
+    return F.linear(F.silu(F.linear(x, ws_gate)) * F.linear(x, ws_up), ws_down)
+
+
+def flops(shape, scope, pass_):
+    H, I, E, k, N, _ = shape
+    rows = N * k + (N if scope == "layer" else 0)
+    return 6 * rows * H * I * (3 if pass_ == "fwdbwd" else 1)
+
+
+# -----------------------------------------------------------------------------
+# implementations: impl(p, topk_ids) -> y [N, H] bf16, p from make_params (or prepare_<impl>)
+
+
+def torch_grouped_mm(p, topk_ids):
+    x, rw = p["x"], p["router_weights"]
+    (N, k), E = topk_ids.shape, p["w_gate"].shape[0]
+    sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)  # rows grouped by expert, token order inside
+    experts = torch.arange(1, E + 1, device=x.device)
+    offs = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # row end of each expert (no sync, unlike bincount)
+    xs = x[order // k]
+    gate = torch._grouped_mm(xs, p["w_gate"].transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(xs, p["w_up"].transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(F.silu(gate) * up, p["w_down"].transpose(-2, -1), offs=offs)
+    # fixed-order combine: un-permute to [N, k, H], weight, sum over the k slots in fp32
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(N * k, device=order.device)
+    y = (out[inv].view(N, k, -1).float() * rw.unsqueeze(-1)).sum(1)
+    if shared_of(p):
+        y = y + shared_mlp(x, shared_of(p)).float()
+    return y.to(x.dtype)
+
+
+def hf_loop(p, topk_ids):
+    x, rw = p["x"], p["router_weights"]
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(p["w_gate"].shape[0]):
+        tok, slot = torch.where(topk_ids == e)  # syncs
+        if tok.numel() == 0:
+            continue
+        v = x[tok]
+        h = F.silu(v @ p["w_gate"][e].T) * (v @ p["w_up"][e].T)
+        y.index_add_(0, tok, (h @ p["w_down"][e].T).float() * rw[tok, slot, None])
+    if shared_of(p):
+        y = y + shared_mlp(x, shared_of(p)).float()
+    return y.to(x.dtype)
+
+
+def serval_moe(p, topk_ids):
+    import serval
+
+    return serval.moe(p["x"], p["router_weights"], topk_ids, p["w_gate"], p["w_up"], p["w_down"], shared=shared_of(p))
+
+
+def sonicmoe(p, topk_ids):
+    # SonicMoE's entry point for precomputed routing: flat (token, expert, score) triples, token ids
+    # sorted ascending. w1 is (2I, H, E) over an [E, 2I, H] tensor, gate/up rows interleaved
+    # (row 2i gate_i, row 2i+1 up_i: its default layout); w2 is (H, I, E) over our [E, H, I] w_down.
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import moe_general_routing_inputs
+
+    x = p["x"]
+    (N, k), E = topk_ids.shape, p["w_down"].shape[0]
+    token_idx = torch.arange(N, dtype=torch.int32, device=x.device).repeat_interleave(k)
+    y, _ = moe_general_routing_inputs(
+        x, p["router_weights"].view(-1), token_idx, topk_ids.flatten().to(torch.int32),
+        p["w_gate_up"].permute(1, 2, 0), None, p["w_down"].permute(1, 2, 0), None,
+        E, torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU,
+    )
+    if shared_of(p):
+        y = y + shared_mlp(x, shared_of(p))
+    return y
+
+
+def prepare_sonicmoe(p):
+    """Convert our weights once, outside timing: w_gate, w_up [E, I, H] -> w_gate_up [E, 2I, H] interleaved."""
+    q = {n: t for n, t in p.items() if n not in ("w_gate", "w_up")}
+    E, I, H = p["w_gate"].shape
+    q["w_gate_up"] = torch.stack([p["w_gate"], p["w_up"]], dim=2).reshape(E, 2 * I, H).detach().requires_grad_()
+    return q
+
+
+def w_gate_grad(grads):
+    if "w_gate" in grads:
+        return grads["w_gate"]
+    return grads["w_gate_up"].unflatten(1, (-1, 2))[:, :, 0]  # sonicmoe's interleaved layout
+
+
+def cap_quack_autotuning(n):
+    """SonicMoE's GEMMs (quack) autotune over ~10-20 configs per kernel and shape, compiling each
+    (minutes per shape). quack has no setting for this, so wrap each autotuner's config pruning to
+    keep n configs spread over the valid list (from cooperative 256-row tiles to ping-pong 128-row ones)."""
+    import quack.gemm_interface as gi
+    from quack.autotuner import Autotuner
+
+    def spread(configs):
+        if len(configs) <= n:
+            return configs
+        return [configs[round(i * (len(configs) - 1) / max(n - 1, 1))] for i in range(n)]
+
+    for tuner in vars(gi).values():
+        if isinstance(tuner, Autotuner):
+            prune = tuner.early_config_prune or (lambda configs, nargs, **kw: configs)
+            tuner.early_config_prune = lambda configs, nargs, _prune=prune, **kw: spread(_prune(configs, nargs, **kw))
+
+
+def load_impl(name, device, args):
+    """(impl, prepare) or None with a message when it cannot run here."""
+    try:
+        if name == "serval":
+            import serval  # noqa: F401
+
+            return serval_moe, None
+        if name == "sonicmoe":
+            if device.type != "cuda":
+                print("skip sonicmoe: needs CUDA")
+                return None
+            import sonicmoe as _  # noqa: F401
+
+            cap_quack_autotuning(args.sonic_configs)
+            return sonicmoe, prepare_sonicmoe
+    except Exception as e:  # ImportError, or a broken install of its dependencies
+        print(f"skip {name}: import failed: {type(e).__name__}: {e}")
+        return None
+    return {"torch_grouped_mm": torch_grouped_mm, "hf_loop": hf_loop}[name], None
+
+
+# -----------------------------------------------------------------------------
+# measuring
+
+
+def time_ms(fn, warmup, iters, device):
+    """Median milliseconds of fn() over iters calls, after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:  # no sync in between: the GPU queue stays full
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def memory_gib(impl, p, topk_ids, fn):
+    """(memory kept for backward, peak memory of one fn() call above the inputs), GiB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = impl(p, topk_ids)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return saved / GIB, (torch.cuda.max_memory_allocated() - base) / GIB
+
+
+def run_and_grads(impl, p, topk_ids, dy):
+    y = impl(p, topk_ids)
+    grads = torch.autograd.grad(y, list(p.values()), dy)
+    return y.detach(), dict(zip(p.keys(), grads))
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def compare(out, ref):
+    """Relative errors of (y, grads) against the reference's."""
+    (y, g), (y_ref, g_ref) = out, ref
+    errs = {"y": rel_err(y, y_ref)}
+    if g is not None:
+        errs["d_x"] = rel_err(g["x"], g_ref["x"])
+        errs["d_rw"] = rel_err(g["router_weights"], g_ref["router_weights"])
+        errs["d_w_gate"] = rel_err(w_gate_grad(g), w_gate_grad(g_ref))
+    return errs
+
+
+# -----------------------------------------------------------------------------
+# reporting
+
+
+def env_info(device):
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=gpu,
+                torch=torch.__version__, triton=triton_version)
+
+
+def load_records(path):
+    return json.load(open(path)) if os.path.exists(path) else []
+
+
+def save_records(records, path):
+    """Append to the JSON list at path; called after each implementation, so a killed run keeps its results."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    old = load_records(path)
+    with open(path, "w") as f:
+        json.dump(old + records, f, indent=1)
+
+
+def latest(records):
+    """The newest record of each (shape, impl, scope, pass) measured on the GPU of the newest record."""
+    gpu = records[-1]["gpu"]
+    newest = {}
+    for r in records:
+        if r["gpu"] == gpu:
+            newest[(r["shape"], r["impl"], r["scope"], r["pass"])] = r
+    return list(newest.values())
+
+
+def panels(records):
+    """(pass, scope) pairs present, fwdbwd routed first."""
+    order = [(ps, sc) for ps in reversed(PASSES) for sc in SCOPES]
+    return [ps_sc for ps_sc in order if any((r["pass"], r["scope"]) == ps_sc for r in records)]
+
+
+def grid(records, ps, sc):
+    """shapes, impls and {(shape, impl): TFLOP/s} of one panel."""
+    rs = [r for r in records if (r["pass"], r["scope"]) == (ps, sc)]
+    shapes = list(dict.fromkeys(r["shape"] for r in rs))
+    impls = list(dict.fromkeys(r["impl"] for r in rs))
+    return shapes, impls, {(r["shape"], r["impl"]): r["tflops"] for r in rs}
+
+
+def print_table(records):
+    for ps, sc in panels(records):
+        shapes, impls, tf = grid(records, ps, sc)
+        print(f"\nTFLOP/s, {ps} {sc} ({records[0]['gpu']})")
+        print(f"{'shape':<16}" + "".join(f"{i:>18}" for i in impls))
+        for s in shapes:
+            cells = [tf.get((s, i)) for i in impls]
+            print(f"{s:<16}" + "".join(f"{c:>18.4g}" if c is not None else f"{'-':>18}" for c in cells))
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
+    keys = panels(records)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(11, 3.6 * len(keys)), squeeze=False)
+    for ax, (ps, sc) in zip(axes[:, 0], keys):
+        shapes, impls, tf = grid(records, ps, sc)
+        width = 0.8 / len(impls)
+        for j, impl in enumerate(impls):
+            xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(shapes))]
+            bars = ax.bar(xs, [tf.get((s, impl)) or 0.0 for s in shapes], width, label=impl)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(shapes)), shapes)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{ps}, {sc} ({records[0]['gpu']})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+# -----------------------------------------------------------------------------
+
+
+def bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, device, info):
+    """Check one implementation against the reference (its first call also compiles and autotunes),
+    then time each pass. Returns its records."""
+    shape = inp["shape"]
+    topk_ids, dy = inp["topk_ids"], inp["dy"]
+    p = make_params(inp, scope)
+    p = prepare(p) if prepare else p
+    tag = f"{shape_name:<16} {scope:<6} {name:<17}"
+    records = [dict(shape=shape_name, impl=name, scope=scope, **{"pass": ps}, ms=None, tflops=None, saved_mem_gib=None,
+                    peak_mem_gib=None, rel_err=None, rel_errs=None, error=None, **info) for ps in passes]
+    try:
+        if ref[1] is not None:
+            out = run_and_grads(impl, p, topk_ids, dy)
+        else:
+            with torch.no_grad():
+                out = (impl(p, topk_ids), None)
+        errs = compare(out, ref)
+        del out
+    except Exception as e:
+        print(f"{tag} FAILED: {type(e).__name__}: {e}")
+        for rec in records:
+            rec["error"] = f"{type(e).__name__}: {e}"
+        return records
+    err = max(errs.values())
+    print(f"{tag} rel_err " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for rec in records:
+        ps = rec["pass"]
+        rec["rel_err"], rec["rel_errs"] = err, errs
+        if not err <= args.tol:
+            print(f"{tag} {ps:<6} MISMATCH (rel_err {err:.2e} > tol {args.tol}): not timed")
+            rec["error"] = "mismatch"
+            continue
+        if ps == "fwd":  # the training forward: autograd records the graph, as in training
+            fn = lambda: impl(p, topk_ids)
+        else:
+            fn = lambda: torch.autograd.grad(impl(p, topk_ids), list(p.values()), dy)
+        try:
+            rec["ms"] = time_ms(fn, args.warmup, args.iters, device)
+            rec["tflops"] = flops(shape, scope, ps) / (rec["ms"] * 1e-3) / 1e12
+            mem = ""
+            if device.type == "cuda":
+                rec["saved_mem_gib"], rec["peak_mem_gib"] = memory_gib(impl, p, topk_ids, fn)
+                mem = f"  saved {rec['saved_mem_gib']:6.2f} GiB  peak {rec['peak_mem_gib']:6.2f} GiB"
+            print(f"{tag} {ps:<6} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s{mem}")
+        except Exception as e:  # e.g. out of memory: keep going with the next one
+            print(f"{tag} {ps:<6} FAILED: {type(e).__name__}: {e}")
+            rec["error"] = f"{type(e).__name__}: {e}"
+    return records
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--scopes", default=",".join(SCOPES))
+    parser.add_argument("--passes", default=",".join(PASSES))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tol", type=float, default=3e-2, help="largest rel. error vs torch_grouped_mm that is timed")
+    parser.add_argument("--sonic-configs", type=int, default=3, help="autotuning configs per SonicMoE (quack) GEMM")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON list to append to (default: benchmarks/results/"
+                        "h200_layer.json; with --tiny: bench_layer_tiny.json in the temp folder)")
+    parser.add_argument("--plot", nargs="?", const="", default=None, help="PNG path (default: --out with .png)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, runs on the CPU in seconds")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--report-only", action="store_true", help="measure nothing: table (and --plot) of --out")
+    args = parser.parse_args()
+    if args.out is None:
+        args.out = os.path.join(tempfile.gettempdir(), "bench_layer_tiny.json") if args.tiny else \
+            "benchmarks/results/h200_layer.json"
+
+    device = torch.device(args.device)
+    table = TINY_SHAPES if args.tiny else SHAPES
+    shape_names = args.shapes.split(",") if args.shapes else list(table)
+    scopes, passes = args.scopes.split(","), args.passes.split(",")
+    for given, known in [(shape_names, table), (args.impls.split(","), IMPLS), (scopes, SCOPES), (passes, PASSES)]:
+        if set(given) - set(known):
+            parser.error(f"unknown {sorted(set(given) - set(known))}; known: {', '.join(known)}")
+    impls = {} if args.report_only else {n: impl for n in args.impls.split(",") if (impl := load_impl(n, device, args))}
+    info = env_info(device)
+    print(f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}; impls: {', '.join(impls)}")
+
+    for shape_name in shape_names if impls else []:
+        inp = make_inputs(table[shape_name], device, args.seed)
+        for scope in scopes:
+            if scope == "layer" and not inp["shape"][-1]:
+                continue  # no shared expert: layer == routed
+            # the reference: torch_grouped_mm's y (and grads when fwdbwd is asked for)
+            p_ref = make_params(inp, scope)
+            if "fwdbwd" in passes:
+                ref = run_and_grads(torch_grouped_mm, p_ref, inp["topk_ids"], inp["dy"])
+            else:
+                with torch.no_grad():
+                    ref = (torch_grouped_mm(p_ref, inp["topk_ids"]), None)
+            del p_ref
+            for name, (impl, prepare) in impls.items():
+                save_records(bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, device, info),
+                             args.out)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del ref
+        del inp
+
+    # report all of --out (newest of each, GPU of the newest record): e.g. a serval run and a sonicmoe run together
+    records = latest(load_records(args.out)) if os.path.exists(args.out) else []
+    print(f"\n{args.out}: {len(records)} latest records")
+    if args.plot is not None and records:
+        plot(records, args.plot or os.path.splitext(args.out)[0] + ".png")
+    print_table(records)
+
+
+if __name__ == "__main__":
+    main()
