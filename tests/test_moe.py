@@ -20,13 +20,11 @@ CASES = [
 
 
 def backends(device):
-    """Backends that run on this device: the torch stages everywhere, the Triton kernels when built."""
-    names = ["torch"]
-    try:
-        from serval import kernels
-    except ImportError:
-        return names
-    return names + ["triton"] if hasattr(kernels, "gate_up_weight_grad") else names
+    """Backends that run on this device: the torch stages everywhere, the Triton kernels on CUDA
+    and, on the CPU, under Triton's interpreter."""
+    from serval.kernels.common import INTERPRET
+
+    return ["torch", "triton"] if device == "cuda" or INTERPRET else ["torch"]
 
 
 def run_layer(case, *, device="cpu", dtype=torch.float32, config=None, seed=0, fn=serval.moe, rounded_to=None):

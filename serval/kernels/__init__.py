@@ -8,7 +8,7 @@ combine / sum_slots. `row_weights` is a tiny indexing op and stays the torch sta
 from ..stages import row_weights
 from .grouped_gemm import down, down_dgrad_swiglu, gate_up_dgrad, gate_up_swiglu
 from .rows import combine, gather, sum_slots
-from .weight_grad import down_weight_grad, gate_up_weight_grad, weight_grad
+from .weight_grad import down_weight_grad, gate_up_weight_grad
 
 __all__ = [
     "combine",
@@ -21,5 +21,4 @@ __all__ = [
     "gather",
     "row_weights",
     "sum_slots",
-    "weight_grad",
 ]

@@ -42,7 +42,10 @@ def _tma_workspace(size: int, alignment: int, stream):
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-@functools.lru_cache(maxsize=None)
 def install_tma_allocator() -> None:
-    """Device-side tensor descriptors (`tl.make_tensor_descriptor`) need a global scratch allocator."""
+    """Device-side tensor descriptors (`tl.make_tensor_descriptor`) need a scratch allocator.
+
+    Triton keeps it in a context variable, so it is set before every launch: backward runs in
+    autograd's own thread, where a setting made in the main thread is not seen.
+    """
     triton.set_allocator(_tma_workspace)
