@@ -57,7 +57,7 @@ def demo(args) -> int:
     print(f"loss: {losses_a[0]:.6f} -> {losses_a[-1]:.6f}")
     print(f"bitwise identical across the two runs: losses {'yes' if same_losses else 'NO'}, "
           f"trained weights {'yes' if same_weights else 'NO'}")
-    return 0 if same_losses and same_weights and losses_a[-1] < losses_a[0] else 1
+    return 0 if same_losses and same_weights else 1
 
 
 def main(argv=None) -> int:
