@@ -83,15 +83,21 @@ def get_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *,
 
 # ---------------------------------------------------------------- passes
 
-def select_backend(config: Config, x: torch.Tensor) -> ModuleType:
-    """The stage implementations for this call: Triton kernels or torch ops (see Config.backend)."""
-    use_kernels = config.backend == "triton" or (
-        config.backend == "auto" and x.is_cuda and x.dtype == torch.bfloat16)
-    if not use_kernels:
+def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None) -> ModuleType:
+    """The stage implementations for this call: Triton kernels or torch ops (see Config.backend).
+
+    "auto" takes the kernels for bf16 on CUDA when every feature dimension (H, I, Is) is a multiple
+    of 8, i.e. 16-byte rows; other shapes take the torch stages (see `serval.kernels.supports`).
+    """
+    if config.backend == "torch":
         return stages
     from . import kernels
 
-    return kernels
+    dims = (x.shape[1], w_gate.shape[1]) + (() if shared is None else (shared[0].shape[0],))
+    if config.backend == "triton":
+        kernels.check_supported(dims)
+        return kernels
+    return kernels if x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims) else stages
 
 
 @dataclasses.dataclass
@@ -124,7 +130,7 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
             shared_schedule: Schedule | None = None) -> tuple[torch.Tensor, ForwardContext]:
     """y = shared(x) + routed experts combined in slot order; returns (y, what backward needs)."""
     config = config or Config()
-    ops = select_backend(config, x)
+    ops = select_backend(config, x, w_gate, shared)
     gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit)
     expert_out = ops.down(h, w_down, schedule)
     shared_out = shared_gate_up = None
@@ -145,7 +151,7 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
     """Fill in the pre-activations a `Config(recompute=True)` forward did not keep."""
     if ctx.gate_up is not None:
         return ctx
-    ops = select_backend(config or Config(), x)
+    ops = select_backend(config or Config(), x, w_gate, shared)
     gate_up, _ = ops.gate_up_swiglu(x, w_gate, w_up, ctx.schedule, ctx.swiglu_limit)
     shared_gate_up = None
     if shared is not None:
@@ -169,7 +175,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
              config: Config | None = None) -> Grads:
     """Gradients of the layer for output gradient d_y [N, H]; see `Grads`."""
     config = config or Config()
-    ops = select_backend(config, x)
+    ops = select_backend(config, x, w_gate, shared)
     ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config)
     d_y = d_y.contiguous()
     d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = _expert_backward(

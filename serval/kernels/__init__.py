@@ -6,11 +6,13 @@ combine / sum_slots. `row_weights` is a tiny indexing op and stays the torch sta
 """
 
 from ..stages import row_weights
+from .common import INTERPRET
 from .grouped_gemm import down, down_dgrad_swiglu, gate_up_dgrad, gate_up_swiglu
 from .rows import combine, gather, sum_slots
 from .weight_grad import down_weight_grad, gate_up_weight_grad
 
 __all__ = [
+    "check_supported",
     "combine",
     "down",
     "down_dgrad_swiglu",
@@ -21,4 +23,18 @@ __all__ = [
     "gather",
     "row_weights",
     "sum_slots",
+    "supports",
 ]
+
+
+def supports(feature_dims) -> bool:
+    """Whether the kernels take this problem: under the interpreter any shape; on the GPU, feature
+    dimensions (H, I, Is) that are multiples of 8. On the H200 (2026-11-29) a bf16 layer with H=24,
+    I=20 hit an illegal instruction that was not run down; every aligned shape checked was right."""
+    return INTERPRET or all(d % 8 == 0 for d in feature_dims)
+
+
+def check_supported(feature_dims) -> None:
+    if not supports(feature_dims):
+        raise ValueError(f"serval.kernels: feature dimensions (H, I[, Is]) = {tuple(feature_dims)} must be "
+                         "multiples of 8 on the GPU; use Config(backend='auto') or 'torch' for other shapes")
