@@ -50,7 +50,7 @@ def _check_shape(name, t, expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
-def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit):
+def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit, ep_size=1):
     """Check everything about the inputs that their metadata can tell (no host sync)."""
     _check_tensor("x", x, 2, FLOAT_DTYPES)
     num_tokens, hidden = x.shape
@@ -69,8 +69,8 @@ def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, s
     _check_shape("w_up", w_up, (num_experts, inter, hidden))
     _check_tensor("w_down", w_down, 3, (x.dtype,), x.device)
     _check_shape("w_down", w_down, (num_experts, hidden, inter))
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top-k (router_weights.shape[1] = {top_k}) must be in [1, E = {num_experts}]")
+    if not 1 <= top_k <= num_experts * ep_size:
+        raise ValueError(f"top-k (router_weights.shape[1] = {top_k}) must be in [1, E = {num_experts * ep_size}]")
     if inter == 0:
         raise ValueError("w_gate must have a non-empty intermediate dimension I")
     if shared is not None:
@@ -88,16 +88,19 @@ def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, s
         raise ValueError(f"swiglu_limit must be None or a positive finite float, got {swiglu_limit!r}")
 
 
-def check_expert_ids(topk_ids: Tensor, num_experts: int, debug: bool) -> None:
-    """Value check of topk_ids in [0, num_experts): host check on CPU or in debug mode, else on the device."""
-    in_range = ((topk_ids >= 0) & (topk_ids < num_experts)).all()
-    if topk_ids.device.type == "cpu" or debug:
-        if not bool(in_range):
-            bad = topk_ids[(topk_ids < 0) | (topk_ids >= num_experts)]
-            raise ValueError(
-                f"topk_ids must hold expert ids in [0, {num_experts}), found {bad[:8].tolist()}")
+def _check_on_device(ok: Tensor, message: str, debug: bool) -> None:
+    """A value check: a ValueError on CPU or in debug mode (a host sync), else a device-side assert."""
+    if ok.device.type == "cpu" or debug:
+        if not bool(ok):
+            raise ValueError(message)
     else:
-        torch._assert_async(in_range, f"serval.moe: topk_ids must hold expert ids in [0, {num_experts})")
+        torch._assert_async(ok, f"serval.moe: {message}")
+
+
+def check_expert_ids(topk_ids: Tensor, num_experts: int, debug: bool) -> None:
+    """topk_ids must hold expert ids in [0, num_experts)."""
+    in_range = ((topk_ids >= 0) & (topk_ids < num_experts)).all()
+    _check_on_device(in_range, f"topk_ids must hold expert ids in [0, {num_experts})", debug)
 
 
 # ---------------------------------------------------------------- custom ops
@@ -117,51 +120,70 @@ _EMPTY = (0,)
 def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Tensor, w_up: Tensor,
                  w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                  swiglu_limit: Optional[float], block_m: int, recompute: bool, backend: str, debug: bool,
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns y, the five schedule tensors, and the kept pre-activations (empty when recomputed)."""
+                 workspace_id: int,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns y, the five schedule tensors, the kept pre-activations (empty when recomputed) and,
+    at EP, the group's router weights (else empty)."""
     config = _config(block_m, recompute, backend, debug)
-    num_experts = w_gate.shape[0]
-    check_expert_ids(topk_ids, num_experts, debug)
-    schedule = build_schedule(topk_ids, num_experts, block_m)
+    workspace = _workspace(workspace_id)
     shared = _shared(ws_gate, ws_up, ws_down)
-    y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down, shared,
-                                config=config, swiglu_limit=swiglu_limit)
-    kept = [t if t is not None else x.new_empty(_EMPTY) for t in (ctx.gate_up, ctx.shared_gate_up)]
+    if workspace is None:
+        check_expert_ids(topk_ids, w_gate.shape[0], debug)
+        schedule, all_router_weights = build_schedule(topk_ids, w_gate.shape[0], block_m), None
+    else:
+        check_expert_ids(topk_ids, workspace.num_experts, debug)
+        schedule, all_router_weights, overflow = functional.build_ep_schedule(topk_ids, router_weights, workspace)
+        _check_on_device(~overflow, f"the rows routed to one rank's experts exceed its capacity of "
+                         f"{workspace.capacity_rows} rows: raise Config.capacity_multiplier", debug)
+    y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down, shared, config=config,
+                                swiglu_limit=swiglu_limit, workspace=workspace, all_router_weights=all_router_weights)
+    kept = [t if t is not None else x.new_empty(_EMPTY) for t in (ctx.gate_up, ctx.shared_gate_up, all_router_weights)]
     return (y, *schedule.tensors(), *kept)
+
+
+def _workspace(workspace_id: int):
+    return None if workspace_id < 0 else functional.workspace_by_id(workspace_id)
 
 
 @_moe_forward.register_fake
 def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, block_m,
-      recompute, backend, debug):
+      recompute, backend, debug, workspace_id):
     num_tokens, top_k = topk_ids.shape
     num_experts, inter, _ = w_gate.shape
-    capacity = capacity_rows(num_tokens * top_k, num_experts, block_m)
+    workspace = _workspace(workspace_id)
+    ep_size = 1 if workspace is None else workspace.ep_size
+    capacity = workspace.capacity_rows if workspace else capacity_rows(num_tokens * top_k, num_experts, block_m)
     i32 = dict(dtype=torch.int32, device=x.device)
     schedule = (x.new_empty(num_experts, **i32), x.new_empty(num_experts + 1, **i32), x.new_empty(capacity, **i32),
-                x.new_empty(num_tokens, top_k, **i32), x.new_empty(capacity // block_m, **i32))
+                x.new_empty(ep_size * num_tokens, top_k, **i32), x.new_empty(capacity // block_m, **i32))
     gate_up = x.new_empty(_EMPTY) if recompute else x.new_empty(capacity, 2 * inter)
     shared_gate_up = x.new_empty(_EMPTY)
     if ws_gate is not None and not recompute:
         shared_gate_up = x.new_empty(capacity_rows(num_tokens, 1, block_m), 2 * ws_gate.shape[0])
-    return (torch.empty_like(x), *schedule, gate_up, shared_gate_up)
+    all_router_weights = router_weights.new_empty(ep_size * num_tokens, top_k) if workspace else x.new_empty(_EMPTY)
+    return (torch.empty_like(x), *schedule, gate_up, shared_gate_up, all_router_weights)
 
 
 @torch.library.custom_op("serval::moe_backward", mutates_args=())
 def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                   ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                   tokens_per_expert: Tensor, expert_offsets: Tensor, row_source: Tensor, source_row: Tensor,
-                  tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, swiglu_limit: Optional[float],
-                  block_m: int, recompute: bool, backend: str, debug: bool,
+                  tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, all_router_weights: Tensor,
+                  swiglu_limit: Optional[float], block_m: int, recompute: bool, backend: str, debug: bool,
+                  workspace_id: int,
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, and the shared expert's (empty if none)."""
     config = _config(block_m, recompute, backend, debug)
+    workspace = _workspace(workspace_id)
     schedule = Schedule(tokens_per_expert, expert_offsets, row_source, source_row, tile_expert,
                         num_experts=w_gate.shape[0], block_m=block_m)
     shared = _shared(ws_gate, ws_up, ws_down)
     shared_schedule = None if shared is None else dense_schedule(x.shape[0], block_m, x.device)
     ctx = functional.ForwardContext(schedule, shared_schedule, None if recompute else gate_up,
-                                    None if recompute or shared is None else shared_gate_up, swiglu_limit)
-    grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down, shared, config=config)
+                                    None if recompute or shared is None else shared_gate_up, swiglu_limit,
+                                    all_router_weights if workspace else None)
+    grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down, shared, config=config,
+                                workspace=workspace)
     shared_grads = grads.shared or tuple(x.new_empty(_EMPTY) for _ in range(3))
     return (grads.x, grads.router_weights, grads.w_gate, grads.w_up, grads.w_down, *shared_grads)
 
@@ -178,7 +200,7 @@ _FORWARD_TENSOR_INPUTS = 9  # x, router_weights, topk_ids, w_gate, w_up, w_down,
 
 def _setup_context(ctx, inputs, output):
     x, router_weights, _, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = inputs[:_FORWARD_TENSOR_INPUTS]
-    ctx.options = inputs[_FORWARD_TENSOR_INPUTS:]  # swiglu_limit, block_m, recompute, backend, debug
+    ctx.options = inputs[_FORWARD_TENSOR_INPUTS:]  # swiglu_limit, block_m, recompute, backend, debug, workspace
     ctx.has_shared = ws_gate is not None
     ctx.save_for_backward(x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *output[1:])
 
@@ -210,14 +232,18 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     config = config or Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
-    if group is not None and group.size() > 1:
-        raise NotImplementedError("serval.moe: expert parallelism (a group with more than one rank) is not built yet")
     if config.precision != "bf16":
         raise NotImplementedError(f"serval.moe: precision={config.precision!r} is not built yet; use 'bf16'")
-    validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit)
+    ep_size = 1 if group is None else group.size()
+    validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit, ep_size)
+    workspace_id = -1
+    if ep_size > 1:
+        num_tokens, top_k = topk_ids.shape
+        workspace_id = functional.get_workspace(num_tokens, top_k, x.shape[1], w_gate.shape[0] * ep_size,
+                                                device=x.device, config=config, group=group).id
     ws_gate, ws_up, ws_down = shared if shared is not None else (None, None, None)
     limit = None if swiglu_limit is None else float(swiglu_limit)
     outputs = torch.ops.serval.moe_forward(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up,
                                            ws_down, limit, config.block_m, config.recompute, config.backend,
-                                           config.debug)
+                                           config.debug, workspace_id)
     return outputs[0]

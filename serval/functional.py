@@ -8,13 +8,19 @@ to keep or drop the forward context, or to drive recomputation yourself:
     y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down)
     grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down)
 
+Expert parallelism (EP = P ranks, expert e on rank e // E_local): pass the
+workspace of the group (`get_workspace(..., group=pg)`) and the rank's schedule
+from `build_ep_schedule`; the rows a rank computes are then pulled from their
+owners (dispatch) and the results pushed back into the owners' slots (combine),
+and the same for d_y and d_x in backward (see `serval.transport`).
+
 What is kept for backward (`ForwardContext`): the schedule (int32, O(N*k)) and
 the gate/up pre-activations [R, 2I] of the routed experts (and [N, 2Is] of the
-shared expert), in the input dtype. Expert outputs, h = SwiGLU(gate, up) and
-the gathered tokens are NOT kept: backward recomputes h from the
-pre-activations and regathers tokens from `x`. With `Config(recompute=True)`
-the pre-activations are not kept either (`recompute_forward_context` rebuilds
-them in backward at the cost of the gate/up GEMM).
+shared expert), in the input dtype; at EP also the group's router weights
+[P*N, k] fp32. Expert outputs, h = SwiGLU(gate, up) and the gathered tokens are
+NOT kept: backward recomputes h from the pre-activations and regathers (pulls)
+tokens from `x`. With `Config(recompute=True)` the pre-activations are not kept
+either (`recompute_forward_context` rebuilds them at the cost of the gate/up GEMM).
 
 Each pass runs its stages on one backend: `serval.kernels` (Triton) or
 `serval.stages` (torch ops); see `Config.backend`.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from types import ModuleType
 from typing import NamedTuple
 
@@ -31,42 +38,75 @@ import torch
 
 from . import stages
 from .config import Config
-from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
+from .schedule import (Schedule, build_schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
+                       slot_schedule)
 
 __all__ = [
-    "Workspace", "get_workspace", "create_workspace", "build_schedule", "dense_schedule",
-    "ForwardContext", "Grads", "forward", "backward", "recompute_forward_context", "select_backend",
+    "Workspace", "get_workspace", "create_workspace", "workspace_by_id", "build_schedule", "build_ep_schedule",
+    "dense_schedule", "ForwardContext", "Grads", "forward", "backward", "recompute_forward_context",
+    "select_backend",
 ]
 
 
 # ---------------------------------------------------------------- workspace
 
-@dataclasses.dataclass(frozen=True)
+_WORKSPACES: dict[int, "Workspace"] = {}
+_workspace_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Workspace:
     """Everything sized once from the problem, never from the routing.
 
-    At EP=1 this is the row capacity of the routed buffer; with expert
-    parallelism it also owns the symmetric-memory buffers and signal pads that
-    peers read from and write into, which is why it is created once and cached.
+    capacity_rows: rows of this rank's routed buffer (at EP=1 the worst case of any routing;
+    at EP, `Config.capacity_multiplier` times the balanced load plus padding).
+    transport: at EP, the peer buffers and the protocol that moves rows (`serval.transport`);
+    created collectively, which is why a workspace is created once and cached.
     """
 
     num_tokens: int
     top_k: int
     hidden: int
-    num_experts: int
+    num_experts: int  # global
+    experts_per_rank: int
     block_m: int
     device: torch.device
     capacity_rows: int
+    rank: int = 0
+    ep_size: int = 1
+    transport: object = None
+    id: int = -1
 
 
 def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *, device=None,
                      config: Config | None = None, group=None) -> Workspace:
-    """A new workspace (see `get_workspace` for the cached one)."""
+    """A new workspace for N tokens per rank, k slots, hidden size H and E experts in all
+    (collective over `group` when it has more than one rank; see `get_workspace` for the cached one)."""
     config = config or Config()
-    if group is not None and group.size() > 1:
-        raise NotImplementedError("expert parallelism (group with size > 1) is not built yet")
-    return Workspace(num_tokens, top_k, hidden, num_experts, config.block_m, torch.device(device or "cpu"),
-                     capacity_rows(num_tokens * top_k, num_experts, config.block_m))
+    device = torch.device(device or "cpu")
+    ep_size = 1 if group is None else group.size()
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")
+    experts_per_rank = num_experts // ep_size
+    ident = next(_workspace_ids)
+    if ep_size == 1:
+        ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device,
+                       capacity_rows(num_tokens * top_k, num_experts, config.block_m), id=ident)
+    else:
+        if device.type == "cuda":
+            from .transport.symm import SymmetricMemoryTransport
+
+            transport = SymmetricMemoryTransport(group, num_tokens, top_k, device)
+        else:
+            from .transport.cpu import SharedMemoryTransport
+
+            transport = SharedMemoryTransport(group, num_tokens, top_k)
+        capacity = ep_capacity_rows(num_tokens, top_k, ep_size, experts_per_rank, config.block_m,
+                                    config.capacity_multiplier)
+        ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device, capacity,
+                       rank=transport.rank, ep_size=ep_size, transport=transport, id=ident)
+    _WORKSPACES[ident] = ws
+    return ws
 
 
 @functools.lru_cache(maxsize=16)
@@ -79,6 +119,27 @@ def get_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *,
     """The workspace for this problem, created on first use and cached."""
     return _cached_workspace(num_tokens, top_k, hidden, num_experts, torch.device(device or "cpu"),
                              config or Config(), group)
+
+
+def workspace_by_id(ident: int) -> Workspace:
+    """The workspace with this id (the custom ops carry workspaces as ids)."""
+    return _WORKSPACES[ident]
+
+
+def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, workspace: Workspace):
+    """This rank's schedule at EP: all-gather the group's routing, build the schedule of the whole
+    group (identical on every rank) and keep this rank's experts' rows.
+
+    Returns (schedule, the group's router weights [P*N, k], overflow: device bool, True when this
+    rank's rows exceeded the workspace's capacity; see `schedule.local_schedule`).
+    """
+    transport = workspace.transport
+    all_ids = transport.all_gather(topk_ids)
+    all_router_weights = transport.all_gather(router_weights)
+    group_schedule = build_schedule(all_ids, workspace.num_experts, workspace.block_m)
+    schedule, overflow = local_schedule(group_schedule, workspace.rank, workspace.experts_per_rank,
+                                        workspace.capacity_rows)
+    return schedule, all_router_weights, overflow
 
 
 # ---------------------------------------------------------------- passes
@@ -109,6 +170,7 @@ class ForwardContext:
     gate_up: torch.Tensor | None  # [R, 2I] routed pre-activations (None: recompute)
     shared_gate_up: torch.Tensor | None  # [Rs, 2Is]
     swiglu_limit: float | None
+    all_router_weights: torch.Tensor | None = None  # EP: the group's router weights [P*N, k]
 
 
 class Grads(NamedTuple):
@@ -125,68 +187,106 @@ def _shared_weights(shared):
     return tuple(w.unsqueeze(0) for w in shared)
 
 
+def _transport(workspace: Workspace | None):
+    return None if workspace is None else workspace.transport
+
+
+def _rows_in(ops, tokens, schedule: Schedule, transport):
+    """The schedule's rows of a token tensor [N, C]: gathered here (EP=1) or pulled from their owners."""
+    return ops.gather(tokens, schedule) if transport is None else transport.pull(tokens, schedule.row_source)
+
+
+def _rows_out(ops, rows, schedule: Schedule, transport):
+    """Where each token's k rows are read from for the slot-order sums: (rows, schedule) at EP=1;
+    at EP, this rank's slot buffer after every rank pushed its rows into their owners' slots."""
+    if transport is None:
+        return rows, schedule
+    slots = transport.push(rows, schedule.row_source)
+    return slots, slot_schedule(transport.num_tokens, transport.top_k, rows.device)
+
+
+def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_limit, transport):
+    """Pre-activations and h of the routed experts and of the shared expert."""
+    x_rows = _rows_in(ops, x, schedule, transport)
+    gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, a_rows=x_rows)
+    shared_gate_up = shared_h = None
+    if shared is not None:
+        ws_gate, ws_up, _ = _shared_weights(shared)
+        shared_gate_up, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, None)
+    return gate_up, h, shared_gate_up, shared_h
+
+
 def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=None, *,
             config: Config | None = None, swiglu_limit: float | None = None,
-            shared_schedule: Schedule | None = None) -> tuple[torch.Tensor, ForwardContext]:
-    """y = shared(x) + routed experts combined in slot order; returns (y, what backward needs)."""
+            shared_schedule: Schedule | None = None, workspace: Workspace | None = None,
+            all_router_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardContext]:
+    """y = shared(x) + routed experts combined in slot order; returns (y, what backward needs).
+
+    At EP: `workspace` of the group, `schedule` and `all_router_weights` from `build_ep_schedule`.
+    """
     config = config or Config()
     ops = select_backend(config, x, w_gate, shared)
-    gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit)
-    expert_out = ops.down(h, w_down, schedule)
-    shared_out = shared_gate_up = None
+    transport = _transport(workspace)
     if shared is not None:
-        ws_gate, ws_up, ws_down = _shared_weights(shared)
         shared_schedule = shared_schedule or dense_schedule(x.shape[0], schedule.block_m, x.device)
-        shared_gate_up, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, None)
-        shared_out = ops.down(shared_h, ws_down, shared_schedule)[: x.shape[0]]
-    y = ops.combine(expert_out, router_weights, schedule, shared_out)
+    gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
+                                                    swiglu_limit, transport)
+    shared_out = None
+    if shared is not None:
+        shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
+    token_rows, token_schedule = _rows_out(ops, ops.down(h, w_down, schedule), schedule, transport)
+    y = ops.combine(token_rows, router_weights, token_schedule, shared_out)
     keep = not config.recompute
     ctx = ForwardContext(schedule, shared_schedule, gate_up if keep else None,
-                         shared_gate_up if keep else None, swiglu_limit)
+                         shared_gate_up if keep else None, swiglu_limit, all_router_weights)
     return y, ctx
 
 
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
-                              config: Config | None = None) -> ForwardContext:
+                              config: Config | None = None, workspace: Workspace | None = None) -> ForwardContext:
     """Fill in the pre-activations a `Config(recompute=True)` forward did not keep."""
     if ctx.gate_up is not None:
         return ctx
     ops = select_backend(config or Config(), x, w_gate, shared)
-    gate_up, _ = ops.gate_up_swiglu(x, w_gate, w_up, ctx.schedule, ctx.swiglu_limit)
-    shared_gate_up = None
-    if shared is not None:
-        ws_gate, ws_up, _ = _shared_weights(shared)
-        shared_gate_up, _ = ops.gate_up_swiglu(x, ws_gate, ws_up, ctx.shared_schedule, None)
+    gate_up, _, shared_gate_up, _ = _gate_up(ops, x, w_gate, w_up, shared, ctx.schedule, ctx.shared_schedule,
+                                             ctx.swiglu_limit, _transport(workspace))
     return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
 
 
-def _expert_backward(ops, d_y, x, router_weights, schedule, gate_up, w_gate, w_up, w_down, swiglu_limit):
-    """One expert group's backward: (d_x_rows [R, H], d_rw_rows [R], d_w_gate, d_w_up, d_w_down)."""
-    d_y_rows = ops.gather(d_y, schedule)
+def _expert_backward(ops, d_y_rows, x, x_rows, router_weights, schedule, gate_up, w_gate, w_up, w_down,
+                     swiglu_limit):
+    """One expert group's backward over its rows: (d_x_rows [R, H], d_rw_rows [R], d_w_gate, d_w_up, d_w_down)."""
     d_gate_up, h_weighted, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights,
                                                              schedule, swiglu_limit)
     d_x_rows = ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule)
-    d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule)
+    d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
     d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
     return d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down
 
 
 def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, shared=None, *,
-             config: Config | None = None) -> Grads:
+             config: Config | None = None, workspace: Workspace | None = None) -> Grads:
     """Gradients of the layer for output gradient d_y [N, H]; see `Grads`."""
     config = config or Config()
     ops = select_backend(config, x, w_gate, shared)
-    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config)
+    transport = _transport(workspace)
+    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace)
     d_y = d_y.contiguous()
+    schedule = ctx.schedule
     d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = _expert_backward(
-        ops, d_y, x, router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down, ctx.swiglu_limit)
+        ops, _rows_in(ops, d_y, schedule, transport), x, _rows_in(ops, x, schedule, transport),
+        router_weights if transport is None else ctx.all_router_weights, schedule, ctx.gate_up,
+        w_gate, w_up, w_down, ctx.swiglu_limit)
     shared_d_x = shared_grads = None
     if shared is not None:
         ones = torch.ones(x.shape[0], 1, device=x.device, dtype=router_weights.dtype)
+        s_schedule = ctx.shared_schedule
         s_d_x_rows, _, s_d_gate, s_d_up, s_d_down = _expert_backward(
-            ops, d_y, x, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared), None)
+            ops, ops.gather(d_y, s_schedule), x, ops.gather(x, s_schedule), ones, s_schedule, ctx.shared_gate_up,
+            *_shared_weights(shared), None)
         shared_d_x = s_d_x_rows[: x.shape[0]]
         shared_grads = (s_d_gate[0], s_d_up[0], s_d_down[0])
-    d_x = ops.sum_slots(d_x_rows, ctx.schedule, shared_d_x)
-    d_router_weights = d_rw_rows[ctx.schedule.source_row.to(torch.int64)].to(router_weights.dtype)
+    d_x = ops.sum_slots(*_rows_out(ops, d_x_rows, schedule, transport), shared_d_x)
+    d_rw_slots, slots = _rows_out(ops, d_rw_rows[:, None], schedule, transport)
+    d_router_weights = d_rw_slots[slots.source_row.to(torch.int64), 0].to(router_weights.dtype)
     return Grads(d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_grads)

@@ -30,6 +30,7 @@ any routing, however skewed: at EP=1 nothing can overflow and nothing is dropped
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -97,18 +98,82 @@ def build_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int = 128)
     source_row = torch.empty(num_sources, device=device, dtype=torch.int32)
     source_row[sorted_source] = row_of_sorted.to(torch.int32)
 
-    tile_start = torch.arange(0, capacity, block_m, device=device, dtype=torch.int64)
-    tile_expert = torch.searchsorted(expert_offsets[1:], tile_start, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
-
     return Schedule(
         tokens_per_expert=tokens_per_expert.to(torch.int32),
         expert_offsets=expert_offsets.to(torch.int32),
         row_source=row_source,
         source_row=source_row.view(num_tokens, top_k),
-        tile_expert=tile_expert.to(torch.int32),
+        tile_expert=_tile_expert(expert_offsets, capacity, block_m),
         num_experts=num_experts,
         block_m=block_m,
+    )
+
+
+def _tile_expert(expert_offsets: torch.Tensor, capacity: int, block_m: int) -> torch.Tensor:
+    """[capacity // block_m] expert of each M-tile, -1 past the used rows."""
+    num_experts = expert_offsets.shape[0] - 1
+    tile_start = torch.arange(0, capacity, block_m, device=expert_offsets.device, dtype=torch.int64)
+    tile_expert = torch.searchsorted(expert_offsets[1:].to(torch.int64), tile_start, right=True)
+    return torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+
+
+def ep_capacity_rows(num_tokens: int, top_k: int, ep_size: int, experts_per_rank: int, block_m: int,
+                     capacity_multiplier: float) -> int:
+    """Rows one rank of an EP group reserves: capacity_multiplier x the balanced load (N*k rows per
+    rank) plus the padding its experts can need, never more than the worst case (every row of
+    every rank on this rank's experts)."""
+    worst = capacity_rows(ep_size * num_tokens * top_k, experts_per_rank, block_m)
+    wanted = math.ceil(capacity_multiplier * num_tokens * top_k) + experts_per_rank * (block_m - 1)
+    return min(worst, block_m * math.ceil(wanted / block_m))
+
+
+def local_schedule(global_schedule: Schedule, rank: int, experts_per_rank: int,
+                   capacity: int) -> tuple[Schedule, torch.Tensor]:
+    """Rank `rank`'s part of the schedule of the whole EP group: its experts' rows, same order.
+
+    Every rank builds the same global schedule from the all-gathered routing (the EP=1 schedule
+    of the concatenated batch); expert e lives on rank e // experts_per_rank, so a rank's rows are
+    one contiguous slice of the global rows, rebased to 0. Row order, padding and tiles are those
+    of EP=1, which is what makes the layer's results independent of the EP size. `row_source`
+    keeps global sources; `source_row` stays the global [P*N, k] map to global rows.
+    Returns (schedule with `capacity` rows, overflow: a device bool, True when ANY rank's slice does
+    not fit; every rank computes the same value, so all of them stop together instead of leaving
+    peers waiting; a slice that does not fit is cut at `capacity`, so nothing is written out of bounds).
+    """
+    first = rank * experts_per_rank
+    offsets = global_schedule.expert_offsets.to(torch.int64)
+    rank_bounds = offsets[::experts_per_rank]  # [P + 1]: first row of each rank's slice
+    overflow = ((rank_bounds[1:] - rank_bounds[:-1]) > capacity).any()
+    base = offsets[first]
+    local_offsets = offsets[first:first + experts_per_rank + 1] - base
+    local_offsets = local_offsets.clamp(max=capacity)
+    rows = torch.arange(capacity, device=offsets.device) + base
+    inside = rows < base + local_offsets[-1]
+    row_source = global_schedule.row_source[rows.clamp(max=global_schedule.capacity - 1)]
+    schedule = Schedule(
+        tokens_per_expert=global_schedule.tokens_per_expert[first:first + experts_per_rank],
+        expert_offsets=local_offsets.to(torch.int32),
+        row_source=torch.where(inside, row_source, -1),
+        source_row=global_schedule.source_row,
+        tile_expert=_tile_expert(local_offsets, capacity, global_schedule.block_m),
+        num_experts=experts_per_rank,
+        block_m=global_schedule.block_m,
+    )
+    return schedule, overflow
+
+
+def slot_schedule(num_tokens: int, top_k: int, device) -> Schedule:
+    """The schedule of an EP rank's slot buffer [N*k, H] (slot = token * k + slot index): the
+    owner's combine and d_x sum read a token's k slots through it, in slot order."""
+    slots = torch.arange(num_tokens * top_k, device=device, dtype=torch.int32)
+    return Schedule(
+        tokens_per_expert=torch.full((1,), num_tokens * top_k, device=device, dtype=torch.int32),
+        expert_offsets=torch.arange(2, device=device, dtype=torch.int32) * (num_tokens * top_k),
+        row_source=slots,
+        source_row=slots.view(num_tokens, top_k),
+        tile_expert=torch.zeros(0, device=device, dtype=torch.int32),
+        num_experts=1,
+        block_m=1,
     )
 
 

@@ -99,9 +99,13 @@ def swiglu(gate_up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
 
 # ---------------------------------------------------------------- forward
 
-def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None):
-    """Gather + grouped GEMM gate/up + SwiGLU: returns (gate_up [R, 2I] kept for backward, h [R, I])."""
-    gate_up = grouped_mm(gather(x, schedule), torch.cat([w_gate, w_up], dim=1), schedule)
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *, a_rows=None):
+    """Gather + grouped GEMM gate/up + SwiGLU: returns (gate_up [R, 2I] kept for backward, h [R, I]).
+
+    a_rows: the rows already gathered (or, at EP, pulled from their owners); x is then not read.
+    """
+    a_rows = gather(x, schedule) if a_rows is None else a_rows
+    gate_up = grouped_mm(a_rows, torch.cat([w_gate, w_up], dim=1), schedule)
     return gate_up, swiglu(gate_up, swiglu_limit)
 
 
@@ -162,9 +166,11 @@ def sum_slots(rows, schedule: Schedule, shared_rows=None):
     return out.to(rows.dtype)
 
 
-def gate_up_weight_grad(d_gate_up, x, schedule: Schedule):
-    """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg] (x regathered, not kept)."""
-    d_w_gate, d_w_up = weight_grad(d_gate_up, gather(x, schedule), schedule).chunk(2, dim=1)
+def gate_up_weight_grad(d_gate_up, x, schedule: Schedule, *, x_rows=None):
+    """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg] (x regathered, not kept,
+    unless the rows are given)."""
+    x_rows = gather(x, schedule) if x_rows is None else x_rows
+    d_w_gate, d_w_up = weight_grad(d_gate_up, x_rows, schedule).chunk(2, dim=1)
     return d_w_gate.clone(), d_w_up.clone()  # two tensors that own their memory, as the kernels return
 
 

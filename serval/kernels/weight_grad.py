@@ -444,17 +444,19 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, schedule: Schedule, *, config=
     return grouped_wgrad(a, b, schedule, config=config)[0]
 
 
-def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Schedule, *, gather: bool = False,
-                        config=None) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Schedule, *, x_rows=None,
+                        gather: bool = False, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg].
 
-    x rows are regathered by the row kernel, then read by TMA; gather=True gathers them inside this
+    x_rows: the rows already gathered (at EP: pulled); otherwise x is regathered by the row kernel.
+    The rows are read by TMA; gather=True gathers them inside this
     kernel instead (pointer loads), which the H200 ran at half the rate (2026-11-29, qwen3-30b-a3b:
     296 vs 637 TFLOP/s), so it is kept only for timing.
     """
     if gather:
         return grouped_wgrad(d_gate_up, x, schedule, num_outputs=2, gather=True, config=config)
-    return grouped_wgrad(d_gate_up, gather_rows(x, schedule), schedule, num_outputs=2, config=config)
+    x_rows = gather_rows(x, schedule) if x_rows is None else x_rows
+    return grouped_wgrad(d_gate_up, x_rows, schedule, num_outputs=2, config=config)
 
 
 def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule: Schedule, *, config=None) -> torch.Tensor:

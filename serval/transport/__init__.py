@@ -1,0 +1,58 @@
+"""Moving rows between the ranks of an expert-parallel group: the transport interface.
+
+Every movement of the MoE layer is one of two primitives over the schedule's
+`row_source` (global sources, ``source = (rank * N + token) * k + slot``; -1 = padding):
+
+* ``pull(tokens [N, C], row_source [R]) -> rows [R, C]``: each rank reads, for each of
+  its rows, the source token's row from the owner's buffer (zeros on padding rows).
+  Forward dispatch pulls x; backward reverse-combine pulls d_y.
+* ``push(rows [R, C], row_source [R]) -> slots [N * k, C]``: each rank writes each of its
+  rows into the owner's slot ``token * k + slot``; the call returns this rank's own slots
+  once every peer's writes have landed. Forward combine pushes expert outputs (the
+  owner then sums its k slots in slot order); backward reverse-dispatch pushes d_x rows
+  and d_router_weights.
+
+A slot is written by exactly one row of one rank, so pushes never collide and need no
+atomics; the owner's fixed-order sum over its slots keeps results bitwise identical.
+
+Implementations: `cpu.SharedMemoryTransport` (gloo groups: peer buffers are files in
+/dev/shm mapped by every rank, barriers are gloo barriers) and `symm.SymmetricMemoryTransport`
+(CUDA: torch symmetric memory, Triton kernels on peer pointers, signal-pad barriers with
+bounded waits; no NVLink multicast).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Transport(Protocol):
+    """One per (process group, workspace): knows N (tokens per rank) and k; owns the peer buffers,
+    allocated collectively on first use for each (role, shape, dtype) and reused afterwards."""
+
+    rank: int
+    world_size: int
+    num_tokens: int
+    top_k: int
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[P * N, ...]: every rank's `t` [N, ...], concatenated in rank order."""
+
+    def pull(self, tokens: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
+        """tokens [N, C] -> rows [R, C]: rows[r] = owner(r)'s tokens[token(r)]; zeros where row_source is -1."""
+
+    def push(self, rows: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
+        """rows [R, C] -> slots [N * k, C]: rows go to the owners' slots (token * k + slot); returns this
+        rank's slots once every peer's rows have landed (a slot no row wrote is zero)."""
+
+
+def split_source(row_source: torch.Tensor, num_tokens: int, top_k: int):
+    """(owner rank, local token, slot, local source = token * k + slot) of each row; -1 rows give owner -1."""
+    source = row_source.to(torch.int64)
+    valid = source >= 0
+    source = source.clamp(min=0)
+    owner = torch.where(valid, source // (num_tokens * top_k), -1)
+    local_source = source % (num_tokens * top_k)
+    return owner, local_source // top_k, local_source % top_k, local_source

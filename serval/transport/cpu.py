@@ -1,0 +1,80 @@
+"""The CPU transport: expert parallelism between processes of a gloo group, through shared memory.
+
+Each rank's buffers are files in /dev/shm that every rank of the group maps
+(`torch.from_file(shared=True)`): the CPU counterpart of symmetric memory, with the
+same protocol as the GPU transport (write own buffer, barrier, read or write the
+peers' buffers, barrier). The files are unlinked as soon as every rank has mapped
+them, so nothing is left behind. It exists so that the real schedule, buffer layout
+and protocol of the expert-parallel layer run (and are tested) without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from . import split_source
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedMemoryTransport:
+    def __init__(self, group, num_tokens: int, top_k: int):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.num_tokens, self.top_k = num_tokens, top_k
+        job = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(job, src=dist.get_global_rank(group, 0), group=group)
+        self.job = job[0]
+        self.buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def _barrier(self):
+        dist.barrier(group=self.group)
+
+    def _peer_buffers(self, role: str, rows: int, width: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """[rows, width] buffer of every rank (index = rank), created collectively on first use."""
+        key = (role, rows, width, dtype)
+        if key not in self.buffers:
+            def path(rank):
+                return os.path.join(SHM_DIR, f"serval-{self.job}-{role}-{rows}x{width}-{dtype}-{rank}".replace("torch.", ""))
+
+            nbytes = rows * width * torch.empty((), dtype=dtype).element_size()
+            with open(path(self.rank), "wb") as f:
+                f.truncate(nbytes)
+            self._barrier()
+            self.buffers[key] = [torch.from_file(path(r), shared=True, size=rows * width, dtype=dtype).view(rows, width)
+                                 for r in range(self.world_size)]
+            self._barrier()
+            os.unlink(path(self.rank))  # every rank has mapped it: the mappings outlive the name
+        return self.buffers[key]
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    def pull(self, tokens: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
+        buffers = self._peer_buffers("tokens", self.num_tokens, tokens.shape[1], tokens.dtype)
+        buffers[self.rank].copy_(tokens)
+        self._barrier()  # every rank's tokens are in place
+        owner, token, _, _ = split_source(row_source, self.num_tokens, self.top_k)
+        rows = tokens.new_zeros(row_source.shape[0], tokens.shape[1])
+        for peer, buffer in enumerate(buffers):
+            mine = owner == peer
+            rows[mine] = buffer[token[mine]]
+        self._barrier()  # every rank has read: the buffers may be reused
+        return rows
+
+    def push(self, rows: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
+        buffers = self._peer_buffers("slots", self.num_tokens * self.top_k, rows.shape[1], rows.dtype)
+        owner, _, _, local_source = split_source(row_source, self.num_tokens, self.top_k)
+        self._barrier()  # the owners are done with the previous contents
+        for peer, buffer in enumerate(buffers):
+            mine = owner == peer
+            buffer[local_source[mine]] = rows[mine]  # each slot has exactly one writer in the group
+        self._barrier()  # every row has landed
+        return buffers[self.rank].clone()
