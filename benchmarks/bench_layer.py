@@ -368,8 +368,9 @@ def plot(records, path):
         width = 0.8 / len(impls)
         for j, impl in enumerate(impls):
             xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(shapes))]
-            bars = ax.bar(xs, [tf.get((s, impl)) or 0.0 for s in shapes], width, label=impl)
-            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+            values = [tf.get((s, impl)) or 0.0 for s in shapes]
+            bars = ax.bar(xs, values, width, label=impl, color=f"C{IMPLS.index(impl)}")  # one colour per impl
+            ax.bar_label(bars, labels=[f"{v:.3g}" if v else "not run" for v in values], fontsize=7)
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"{ps}, {sc} ({records[0]['gpu']})")
