@@ -69,10 +69,6 @@ class Schedule:
         """The device tensors, in field order (what autograd saves for backward)."""
         return (self.tokens_per_expert, self.expert_offsets, self.row_source, self.source_row, self.tile_expert)
 
-    @classmethod
-    def from_tensors(cls, tensors, num_experts: int, block_m: int) -> "Schedule":
-        return cls(*tensors, num_experts=num_experts, block_m=block_m)
-
 
 def build_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
     """Build the schedule for `topk_ids` [N, k] (expert ids in [0, num_experts)); no host sync."""
