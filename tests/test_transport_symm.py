@@ -163,6 +163,78 @@ def test_vector_aligned():
     assert symm.vector_aligned([0, 256], 0, 2)
 
 
+class _FakeHandle:
+    def __init__(self, log):
+        self.log = log
+
+    def barrier(self, channel, timeout_ms):
+        self.log.append(("barrier", channel, timeout_ms))
+
+
+class _FakeBuffer:
+    """A _PeerBuffer whose rank 1 is a local tensor the test fills in, and whose barrier only logs."""
+
+    def __init__(self, shape, dtype, log):
+        self.local = torch.zeros(shape, dtype=dtype, device=DEVICE)
+        self.peer = torch.zeros(shape, dtype=dtype, device=DEVICE)
+        self.handle = _FakeHandle(log)
+        self.addresses = [self.local.data_ptr(), self.peer.data_ptr()]
+        self.table = torch.tensor(self.addresses, dtype=torch.int64, device=DEVICE)
+        self.aligned = symm.vector_aligned(self.addresses, shape[1], self.local.element_size())
+
+
+class _TwoRankTransport(symm.SymmetricMemoryTransport):
+    """The transport's own pull/push code as rank 0 of 2, with a passive rank 1 (its buffers are
+    plain tensors this process sets and reads) in place of symmetric memory."""
+
+    def __init__(self, num_tokens, top_k):  # noqa: super().__init__ needs a process group and CUDA
+        self.rank, self.world_size, self.num_tokens, self.top_k = 0, 2, num_tokens, top_k
+        self.device, self.timeout_ms, self.channel = torch.device(DEVICE), 1234, 3
+        self._buffers = {}
+        self.log = []
+
+    def _buffer(self, role, rows, cols, dtype):
+        key = (role, rows, cols, dtype)
+        if key not in self._buffers:
+            self._buffers[key] = _FakeBuffer((rows, cols), dtype, self.log)
+        return self._buffers[key]
+
+
+def test_transport_methods_two_ranks():
+    num_tokens, top_k, cols, dtype = 4, 2, 24, torch.bfloat16
+    num_slots = num_tokens * top_k
+    transport = _TwoRankTransport(num_tokens, top_k)
+    layout = make_layouts(2, num_tokens, top_k, seed=3, fill=0.6)[0].to(DEVICE)
+
+    tokens = _random((num_tokens, cols), dtype, seed=1)
+    peer_tokens = _random((num_tokens, cols), dtype, seed=2)
+    transport._buffer("tokens", num_tokens, cols, dtype).peer.copy_(peer_tokens)
+    rows = transport.pull(tokens, layout)
+    assert torch.equal(rows, reference_pull(torch.cat([tokens, peer_tokens]), layout, top_k))
+    assert transport.log == [("barrier", 3, 1234)] * 2
+
+    pushed = _random((layout.numel(), cols), dtype, seed=4)
+    slot_buffer = transport._buffer("slots", num_slots, cols, dtype)
+    slot_buffer.local.fill_(SENTINEL)  # stale data from an earlier push: zeroed unless complete=True
+    slots = transport.push(pushed, layout)
+    expected = reference_push([pushed], [layout], 2, num_slots)
+    assert torch.equal(slots, expected[0]) and torch.equal(slot_buffer.peer, expected[1])
+    assert slots.data_ptr() != slot_buffer.local.data_ptr()  # a copy
+    assert len(transport.log) == 4
+
+    slot_buffer.local.fill_(SENTINEL)
+    slot_buffer.peer.zero_()
+    view = transport.push(pushed, layout, complete=True, copy=False)
+    assert view.data_ptr() == slot_buffer.local.data_ptr()
+    expected = reference_push([pushed], [layout], 2, num_slots, fill_value=SENTINEL)
+    assert torch.equal(view, expected[0])
+
+    with pytest.raises(ValueError, match="N = 4"):
+        transport.pull(tokens[:3], layout)
+    with pytest.raises(ValueError, match="row sources"):
+        transport.push(pushed[:2], layout)
+
+
 def test_transport_needs_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         symm.SymmetricMemoryTransport(None, 4, 2, "cpu")
@@ -191,6 +263,13 @@ def _init(rank, world_size, init_file):
     return device
 
 
+def _gather(transport, t):
+    """transport.all_gather, bf16 as raw bytes (gloo, which the one-GPU runs use, may lack bf16)."""
+    if t.dtype == torch.bfloat16:
+        return transport.all_gather(t.view(torch.uint8)).view(torch.bfloat16)
+    return transport.all_gather(t)
+
+
 def _check_round(transport, device, layouts, dtype, cols, seed, *, complete):
     """One pull and one push of random rows, twice each, against references from all ranks' data."""
     rank, world_size, num_tokens, top_k = transport.rank, transport.world_size, transport.num_tokens, transport.top_k
@@ -198,7 +277,7 @@ def _check_round(transport, device, layouts, dtype, cols, seed, *, complete):
     layout = layouts[rank].to(device)
 
     tokens = _random((num_tokens, cols), dtype, seed=seed + rank, device=device)
-    all_tokens = transport.all_gather(tokens)
+    all_tokens = _gather(transport, tokens)
     for p in range(world_size):  # all_gather itself, against each rank's own seed
         assert torch.equal(all_tokens[p * num_tokens:(p + 1) * num_tokens],
                            _random((num_tokens, cols), dtype, seed=seed + p, device=device))
@@ -209,7 +288,7 @@ def _check_round(transport, device, layouts, dtype, cols, seed, *, complete):
     assert torch.equal(first, second)
 
     rows = _random((layout.numel(), cols), dtype, seed=seed + 100 + rank, device=device)
-    all_rows = transport.all_gather(rows).view(world_size, layout.numel(), cols)
+    all_rows = _gather(transport, rows).view(world_size, layout.numel(), cols)
     all_layouts = transport.all_gather(layout).view(world_size, -1)
     expected_slots = reference_push(list(all_rows), list(all_layouts), world_size, num_slots)[rank]
     first = transport.push(rows, layout, complete=complete)
@@ -235,8 +314,8 @@ def _check_graph(transport, device, layouts, dtype, cols, seed):
         tokens.copy_(_random(tokens.shape, dtype, seed=seed + 10 * step + rank, device=device))
         rows.copy_(_random(rows.shape, dtype, seed=seed + 10 * step + 5 + rank, device=device))
         graph.replay()
-        all_tokens = transport.all_gather(tokens)
-        all_rows = transport.all_gather(rows).view(transport.world_size, layout.numel(), cols)
+        all_tokens = _gather(transport, tokens)
+        all_rows = _gather(transport, rows).view(transport.world_size, layout.numel(), cols)
         all_layouts = transport.all_gather(layout).view(transport.world_size, -1)
         assert torch.equal(pulled, reference_pull(all_tokens, layout, top_k)), (rank, step)
         expected = reference_push(list(all_rows), list(all_layouts), transport.world_size, num_tokens * top_k)

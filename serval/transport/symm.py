@@ -18,11 +18,13 @@ data_ptr()s), under TRITON_INTERPRET=1 on the CPU as well: that is how the tests
 Ordering between ranks is torch's signal-pad barrier (`_SymmetricMemory.barrier`): a one-block
 kernel on the current stream that, for every peer, sets our flag in the peer's signal pad
 (compare-and-swap 0 -> 1, release, system scope) and waits for the peer's flag in ours
-(1 -> 0, acquire). Both waits are bounded by `timeout_ms`: past it the kernel prints
-"[FATAL] SymmetricMemory::barrier: rank r failed to ..." and traps, so the next CUDA call of
-the process raises (a sticky "unspecified launch failure"): a lost peer is an error, never a
-hang. It needs no multicast; multicast is switched off before the first allocation and
-checked absent after every rendezvous. Nothing here syncs the host with the device after a
+(1 -> 0, acquire). Both waits are bounded by `timeout_ms`: past it torch's kernel prints a
+"[FATAL] SymmetricMemory::barrier: rank r failed to ..." line and traps, so the next CUDA call
+of the process raises (a sticky launch failure; the CUDA context is lost, as it should be when
+a peer is gone or the ranks have desynchronised): an error, never a hang. The late peer then
+times out in turn. Without a multicast mapping torch takes this signal-pad path (never
+multimem); multicast is switched off before the first allocation and checked absent after
+every rendezvous. Nothing here syncs the host with the device after a
 buffer exists, so `pull` and `push` can be captured in CUDA graphs (allocate, i.e. call each
 once, before capture).
 
@@ -183,15 +185,21 @@ class _PeerBuffer:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.local = symm_mem.empty(shape, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.local, group)
-        if self.handle.multicast_ptr:
+        if getattr(self.handle, "multicast_ptr", 0):
+            # torch's barrier would then take its multimem path
             raise RuntimeError("serval: symmetric memory came with an NVLink multicast mapping; serval never "
                                "uses multicast: set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 before the first allocation")
-        # buffer_ptrs are the bases of the peers' allocations; with torch's memory pool our tensor may sit
-        # at an offset inside its allocation. Like torch's own get_buffer, assume the same offset on every
-        # rank (same allocation sequence everywhere).
+        if not hasattr(self.handle, "barrier"):
+            raise RuntimeError("serval: this torch's symmetric memory handle has no barrier(channel, timeout_ms)")
+        # buffer_ptrs are the peers' allocation bases (mapped here); torch's memory pool may place a tensor
+        # at an offset inside its allocation, and nothing forces that offset to match across ranks, so
+        # every rank tells the others its own (one small collective, at allocation only).
         bases = list(self.handle.buffer_ptrs)
-        offset = self.local.data_ptr() - bases[rank]
-        self.addresses = [base + offset for base in bases]
+        offset = torch.tensor([self.local.data_ptr() - bases[rank]], dtype=torch.int64, device=device)
+        offsets = torch.empty(len(bases), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(offsets, offset, group=group)
+        self.addresses = [base + off for base, off in zip(bases, offsets.tolist())]
+        assert self.addresses[rank] == self.local.data_ptr()
         self.table = torch.tensor(self.addresses, dtype=torch.int64, device=device)
         self.aligned = vector_aligned(self.addresses, shape[1], self.local.element_size())
 
@@ -206,17 +214,17 @@ class SymmetricMemoryTransport:
 
     def __init__(self, group, num_tokens: int, top_k: int, device, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  channel: int = 0):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"SymmetricMemoryTransport needs a CUDA device, got {device}")
+        if timeout_ms <= 0:
+            raise ValueError("timeout_ms must be positive: every barrier wait is bounded")
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.num_tokens = int(num_tokens)
         self.top_k = int(top_k)
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"SymmetricMemoryTransport needs a CUDA device, got {device}")
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        if timeout_ms <= 0:
-            raise ValueError("timeout_ms must be positive: every barrier wait is bounded")
         self.timeout_ms = int(timeout_ms)
         self.channel = int(channel)
         self._buffers: dict[tuple, _PeerBuffer] = {}
