@@ -362,6 +362,7 @@ def plot(records, path):
         print("no matplotlib: no plot")
         return
     keys = panels(records)
+    all_impls = sorted({r["impl"] for r in records})  # one colour per implementation across panels
     fig, axes = plt.subplots(len(keys), 1, figsize=(11, 3.6 * len(keys)), squeeze=False)
     for ax, (ps, sc) in zip(axes[:, 0], keys):
         shapes, impls, tf = grid(records, ps, sc)
@@ -369,7 +370,7 @@ def plot(records, path):
         for j, impl in enumerate(impls):
             xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(shapes))]
             values = [tf.get((s, impl)) or 0.0 for s in shapes]
-            bars = ax.bar(xs, values, width, label=impl, color=f"C{IMPLS.index(impl)}")  # one colour per impl
+            bars = ax.bar(xs, values, width, label=impl, color=f"C{all_impls.index(impl)}")
             ax.bar_label(bars, labels=[f"{v:.3g}" if v else "not run" for v in values], fontsize=7)
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_ylabel("TFLOP/s")
