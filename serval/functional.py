@@ -253,15 +253,26 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
     return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
 
 
-def _expert_backward(ops, d_y_rows, x, x_rows, router_weights, schedule, gate_up, w_gate, w_up, w_down,
-                     swiglu_limit):
-    """One expert group's backward over its rows: (d_x_rows [R, H], d_rw_rows [R], d_w_gate, d_w_up, d_w_down)."""
-    d_gate_up, h_weighted, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights,
+def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, gate_up, w_gate, w_up, w_down,
+                     swiglu_limit, transport, shared_d_x=None):
+    """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down).
+
+    Ordered so that each [R, *] buffer dies as soon as its last use is done (d_y rows and rw * h
+    after the down weight gradient, d_x rows after their slot sum): the peak holds about two of them.
+    """
+    d_y_rows = _rows_in(ops, d_y, schedule, transport)
+    d_gate_up, h_weighted, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights,
                                                              schedule, swiglu_limit)
-    d_x_rows = ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule)
-    d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
     d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
-    return d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down
+    del d_y_rows, h_weighted
+    d_x_rows = ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule)
+    d_x = ops.sum_slots(*_rows_out(ops, d_x_rows, schedule, transport), shared_d_x)
+    del d_x_rows
+    d_rw_slots, slots = _rows_out(ops, d_rw_rows[:, None], schedule, transport)
+    d_router_weights = d_rw_slots[slots.source_row.to(torch.int64), 0].to(router_weights.dtype)
+    x_rows = _rows_in(ops, x, schedule, transport)
+    d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
+    return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down
 
 
 def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, shared=None, *,
@@ -272,21 +283,15 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     transport = _transport(workspace)
     ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace)
     d_y = d_y.contiguous()
-    schedule = ctx.schedule
-    d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = _expert_backward(
-        ops, _rows_in(ops, d_y, schedule, transport), x, _rows_in(ops, x, schedule, transport),
-        router_weights if transport is None else ctx.all_router_weights, schedule, ctx.gate_up,
-        w_gate, w_up, w_down, ctx.swiglu_limit)
     shared_d_x = shared_grads = None
-    if shared is not None:
+    if shared is not None:  # the shared expert: every local token once, rows = tokens, never moved
         ones = torch.ones(x.shape[0], 1, device=x.device, dtype=router_weights.dtype)
-        s_schedule = ctx.shared_schedule
-        s_d_x_rows, _, s_d_gate, s_d_up, s_d_down = _expert_backward(
-            ops, ops.gather(d_y, s_schedule), x, ops.gather(x, s_schedule), ones, s_schedule, ctx.shared_gate_up,
-            *_shared_weights(shared), None)
-        shared_d_x = s_d_x_rows[: x.shape[0]]
-        shared_grads = (s_d_gate[0], s_d_up[0], s_d_down[0])
-    d_x = ops.sum_slots(*_rows_out(ops, d_x_rows, schedule, transport), shared_d_x)
-    d_rw_slots, slots = _rows_out(ops, d_rw_rows[:, None], schedule, transport)
-    d_router_weights = d_rw_slots[slots.source_row.to(torch.int64), 0].to(router_weights.dtype)
+        shared_d_x, _, *shared_grads = _expert_backward(
+            ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared), None,
+            None)
+        shared_grads = tuple(g[0] for g in shared_grads)
+    row_router_weights = router_weights if transport is None else ctx.all_router_weights
+    d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(
+        ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
+        ctx.swiglu_limit, transport, shared_d_x)
     return Grads(d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_grads)
