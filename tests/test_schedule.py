@@ -76,3 +76,27 @@ def test_schedule_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     check_schedule(ids, 64, 128)
+
+
+def test_local_schedules_partition_the_group_schedule():
+    from serval.schedule import ep_capacity_rows, local_schedule
+
+    world, experts_per_rank, block_m = 4, 3, 8
+    rw, ids = make_routing(4 * 10, world * experts_per_rank, 2, kind="skewed")
+    group = build_schedule(ids, world * experts_per_rank, block_m)
+    capacity = ep_capacity_rows(10, 2, world, experts_per_rank, block_m, capacity_multiplier=float(world))
+    rows = []
+    for rank in range(world):
+        local, overflow = local_schedule(group, rank, experts_per_rank, capacity)
+        assert not overflow
+        used = int(local.expert_offsets[-1])
+        rows.append(local.row_source[:used])
+        assert (local.row_source[used:] == -1).all()
+        owner_expert = ids.reshape(-1)[local.row_source[:used].clamp(min=0).long()] // experts_per_rank
+        assert (owner_expert[local.row_source[:used] >= 0] == rank).all()
+    # the ranks' rows, in rank order, are the group's rows: the same order as EP=1
+    assert torch.equal(torch.cat(rows), group.row_source[: int(group.expert_offsets[-1])])
+    # skewed routing (every token's first slot on expert 0) does not fit a balanced capacity
+    tight = ep_capacity_rows(10, 2, world, experts_per_rank, block_m, capacity_multiplier=1.0)
+    overflows = [bool(local_schedule(group, rank, experts_per_rank, tight)[1]) for rank in range(world)]
+    assert overflows == [True] * world, "every rank must see the overflow, not only the one that overflows"
