@@ -203,7 +203,7 @@ def serval_staged_forward(p, topk_ids, workspace, config, clock):
         _, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, None)
         shared_out = ops.down(shared_h, ws_down, shared_schedule)[: x.shape[0]]
         marks.append(("shared", clock()))
-    slots, slot_schedule = functional._rows_out(ops, expert_out, schedule, transport)  # push + the slots' table
+    slots, slot_schedule = functional._rows_out(expert_out, schedule, transport)  # push + the slots' table
     y = ops.combine(slots, rw, slot_schedule, shared_out)
     marks.append(("combine", clock()))
     return y, marks

@@ -196,7 +196,7 @@ def _rows_in(ops, tokens, schedule: Schedule, transport):
     return ops.gather(tokens, schedule) if transport is None else transport.pull(tokens, schedule.row_source)
 
 
-def _rows_out(ops, rows, schedule: Schedule, transport):
+def _rows_out(rows, schedule: Schedule, transport):
     """Where each token's k rows are read from for the slot-order sums: (rows, schedule) at EP=1;
     at EP, this rank's slot buffer after every rank pushed its rows into their owners' slots."""
     if transport is None:
@@ -234,7 +234,7 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     shared_out = None
     if shared is not None:
         shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
-    token_rows, token_schedule = _rows_out(ops, ops.down(h, w_down, schedule), schedule, transport)
+    token_rows, token_schedule = _rows_out(ops.down(h, w_down, schedule), schedule, transport)
     y = ops.combine(token_rows, router_weights, token_schedule, shared_out)
     keep = not config.recompute
     ctx = ForwardContext(schedule, shared_schedule, gate_up if keep else None,
@@ -266,9 +266,9 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
     d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
     del d_y_rows, h_weighted
     d_x_rows = ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule)
-    d_x = ops.sum_slots(*_rows_out(ops, d_x_rows, schedule, transport), shared_d_x)
+    d_x = ops.sum_slots(*_rows_out(d_x_rows, schedule, transport), shared_d_x)
     del d_x_rows
-    d_rw_slots, slots = _rows_out(ops, d_rw_rows[:, None], schedule, transport)
+    d_rw_slots, slots = _rows_out(d_rw_rows[:, None], schedule, transport)
     d_router_weights = d_rw_slots[slots.source_row.to(torch.int64), 0].to(router_weights.dtype)
     x_rows = _rows_in(ops, x, schedule, transport)
     d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
