@@ -460,5 +460,12 @@ def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Sche
 
 
 def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule: Schedule, *, config=None) -> torch.Tensor:
-    """d_w_down [E, H, I] = d_y_rows[seg].T @ h_weighted[seg]."""
+    """d_w_down [E, H, I] = d_y_rows[seg].T @ h_weighted[seg].
+
+    Where the table picks 128x256, this gradient takes its 4-stage split-store variant: on the H200
+    (2026-11-29, benchmarks/results/h200_kernel_wgrad.txt) it ran 741 vs 654 TFLOP/s on kimi-k2 and
+    617 vs 605 on qwen3-30b-a3b.
+    """
+    if config is None and pick_config(d_y_rows.shape[1], h_weighted.shape[1], schedule.block_m) is CONFIGS["128x256"]:
+        config = "128x256s"
     return grouped_wgrad(d_y_rows, h_weighted, schedule, config=config)[0]
