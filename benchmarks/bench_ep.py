@@ -288,10 +288,7 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
             log(f"{tag} {ps:<6} MISMATCH (rel_err {err:.2e} > tol {args.tol}): not timed")
             rec["error"] = "mismatch"
             continue
-        if ps == "fwd":  # the training forward: autograd records the graph, as in training
-            fn = lambda: impl(p, topk_ids)
-        else:
-            fn = lambda: torch.autograd.grad(impl(p, topk_ids), list(p.values()), dy)
+        fn = bench_layer.pass_fn(impl, p, topk_ids, dy, ps)
         dist.barrier()
         rec["ms"] = group_max([time_ms(fn, args.warmup, args.iters, device)], device)[0]
         rec["tflops"] = flops(shape, scope, ps) / (rec["ms"] * 1e-3) / 1e12

@@ -384,6 +384,14 @@ def plot(records, path):
 # -----------------------------------------------------------------------------
 
 
+def pass_fn(impl, p, topk_ids, dy, ps):
+    """What one timed call runs: the training forward (autograd records the graph, as in training),
+    or forward + the gradients of every input."""
+    if ps == "fwd":
+        return lambda: impl(p, topk_ids)
+    return lambda: torch.autograd.grad(impl(p, topk_ids), list(p.values()), dy)
+
+
 def bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, device, info):
     """Check one implementation against the reference (its first call also compiles and autotunes),
     then time each pass. Returns its records."""
@@ -416,10 +424,7 @@ def bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, d
             print(f"{tag} {ps:<6} MISMATCH (rel_err {err:.2e} > tol {args.tol}): not timed")
             rec["error"] = "mismatch"
             continue
-        if ps == "fwd":  # the training forward: autograd records the graph, as in training
-            fn = lambda: impl(p, topk_ids)
-        else:
-            fn = lambda: torch.autograd.grad(impl(p, topk_ids), list(p.values()), dy)
+        fn = pass_fn(impl, p, topk_ids, dy, ps)
         try:
             rec["ms"] = time_ms(fn, args.warmup, args.iters, device)
             rec["tflops"] = flops(shape, scope, ps) / (rec["ms"] * 1e-3) / 1e12
