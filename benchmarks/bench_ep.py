@@ -66,7 +66,7 @@ import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
 
 import bench_layer  # also puts this checkout's serval first on the path
-from bench_layer import (SHAPES as LAYER_SHAPES, balanced_routing, compare, env_info, flops, latest, load_records,
+from bench_layer import (SHAPES as LAYER_SHAPES, balanced_routing, env_info, flops, latest, load_records,
                          make_inputs, make_params, memory_gib, plot, print_table, rel_err, run_and_grads,
                          save_records, shared_mlp, shared_of, time_ms)
 
@@ -262,19 +262,13 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
     impl = functools.partial(IMPL_FNS[name], group=group)  # bench_layer's impl(p, topk_ids)
     p = make_params(inp, scope)
     tag = f"{shape_name:<16} {scope:<6} {name:<9}"
-    if ref[1] is not None:
-        out = run_and_grads(impl, p, topk_ids, dy)
-    else:
-        with torch.no_grad():
-            out = (impl(p, topk_ids), None)
-    errs = compare(out, ref)
-    if name == "serval":
+    errs = bench_layer.check(impl, p, topk_ids, dy, ref)
+    if name == "serval":  # the stage-by-stage path timed below must be what serval.moe computes
         config = serval.Config()
         with torch.no_grad():
             y_staged, _ = serval_staged_forward(p, topk_ids, serval_workspace(p, topk_ids, group, config), config,
                                                 clock=lambda: None)
-        errs["y_staged"] = rel_err(y_staged, out[0])
-    del out
+            errs["y_staged"] = rel_err(y_staged, impl(p, topk_ids))
     errs = dict(zip(errs, group_max(list(errs.values()), device)))
     err = max(errs.values())
     log(f"{tag} rel_err (max over ranks) " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))

@@ -384,6 +384,14 @@ def plot(records, path):
 # -----------------------------------------------------------------------------
 
 
+def check(impl, p, topk_ids, dy, ref):
+    """Relative errors of one implementation against the reference outputs `ref` = (y, grads or None)."""
+    if ref[1] is not None:
+        return compare(run_and_grads(impl, p, topk_ids, dy), ref)
+    with torch.no_grad():
+        return compare((impl(p, topk_ids), None), ref)
+
+
 def pass_fn(impl, p, topk_ids, dy, ps):
     """What one timed call runs: the training forward (autograd records the graph, as in training),
     or forward + the gradients of every input."""
@@ -403,13 +411,7 @@ def bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, d
     records = [dict(shape=shape_name, impl=name, scope=scope, **{"pass": ps}, ms=None, tflops=None, saved_mem_gib=None,
                     peak_mem_gib=None, rel_err=None, rel_errs=None, error=None, **info) for ps in passes]
     try:
-        if ref[1] is not None:
-            out = run_and_grads(impl, p, topk_ids, dy)
-        else:
-            with torch.no_grad():
-                out = (impl(p, topk_ids), None)
-        errs = compare(out, ref)
-        del out
+        errs = check(impl, p, topk_ids, dy, ref)
     except Exception as e:
         print(f"{tag} FAILED: {type(e).__name__}: {e}")
         for rec in records:

@@ -72,7 +72,7 @@ def test_schedule_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        s = build_schedule(ids, 64, 128)
+        build_schedule(ids, 64, 128)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     check_schedule(ids, 64, 128)
