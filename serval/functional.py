@@ -156,7 +156,7 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
 
     dims = (x.shape[1], w_gate.shape[1]) + (() if shared is None else (shared[0].shape[0],))
     if config.backend == "triton":
-        kernels.check_supported(dims)
+        kernels.check_supported(x.device, dims)
         return kernels
     return kernels if x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims) else stages
 

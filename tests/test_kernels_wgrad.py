@@ -141,11 +141,11 @@ def test_bf16():
 def test_rejects_bad_shapes():
     schedule, a, x = _case("random", 8, 2, 4, 32, 32)
     with pytest.raises(ValueError):
-        wg.weight_grad(a[:-1], a[:-1], schedule)
+        wg.grouped_wgrad(a[:-1], a[:-1], schedule)
     with pytest.raises(ValueError):
         wg.grouped_wgrad(a, x[:-1], schedule, gather=True)
     with pytest.raises(TypeError):
-        wg.weight_grad(a, a.double(), schedule)
+        wg.grouped_wgrad(a, a.double(), schedule)
 
 
 # ---------------------------------------------------------------- GPU, real sizes

@@ -172,6 +172,11 @@ def test_bad_inputs_name_the_argument():
         serval.Config(capacity_multiplier=0.5)
     with pytest.raises(NotImplementedError, match="mxfp8"):
         call(config=serval.Config(precision="mxfp8"))
+    from serval.kernels import INTERPRET
+
+    if not INTERPRET:  # the kernels take CPU tensors only under Triton's interpreter
+        with pytest.raises(ValueError, match="backend='triton'"):
+            call(config=serval.Config(backend="triton"))
 
 
 def test_torch_compile_fullgraph():

@@ -2,10 +2,9 @@
 
 grouped_gemm: the four expert GEMMs (one persistent grouped-GEMM kernel with constexpr
 epilogues); weight_grad: the grouped weight gradients over the token axis; rows: gather /
-combine / sum_slots. `row_weights` is a tiny indexing op and stays the torch stage.
+combine / sum_slots.
 """
 
-from ..stages import row_weights
 from .common import INTERPRET
 from .grouped_gemm import down, down_dgrad_swiglu, gate_up_dgrad, gate_up_swiglu
 from .rows import combine, gather, sum_slots
@@ -21,7 +20,6 @@ __all__ = [
     "gate_up_swiglu",
     "gate_up_weight_grad",
     "gather",
-    "row_weights",
     "sum_slots",
     "supports",
 ]
@@ -34,7 +32,10 @@ def supports(feature_dims) -> bool:
     return INTERPRET or all(d % 8 == 0 for d in feature_dims)
 
 
-def check_supported(feature_dims) -> None:
+def check_supported(device, feature_dims) -> None:
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"serval.kernels: Config(backend='triton') needs CUDA tensors (or TRITON_INTERPRET=1), "
+                         f"got tensors on {device}")
     if not supports(feature_dims):
         raise ValueError(f"serval.kernels: feature dimensions (H, I[, Is]) = {tuple(feature_dims)} must be "
                          "multiples of 8 on the GPU; use Config(backend='auto') or 'torch' for other shapes")

@@ -439,11 +439,6 @@ def grouped_wgrad(
 
 # ---------------------------------------------------------------- the stages (same signatures as serval.stages)
 
-def weight_grad(a: torch.Tensor, b: torch.Tensor, schedule: Schedule, *, config=None) -> torch.Tensor:
-    """dW[e] = a[seg e].T @ b[seg e]; a [R, P], b [R, Q] -> [E, P, Q]; an expert with no rows gets exact zeros."""
-    return grouped_wgrad(a, b, schedule, config=config)[0]
-
-
 def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Schedule, *, x_rows=None,
                         gather: bool = False, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg].

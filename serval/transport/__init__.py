@@ -45,7 +45,7 @@ class Transport(Protocol):
 
     def push(self, rows: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
         """rows [R, C] -> slots [N * k, C]: rows go to the owners' slots (token * k + slot); returns this
-        rank's slots once every peer's rows have landed (a slot no row wrote is zero)."""
+        rank's slots once every peer's rows have landed (the group's schedule writes every slot once)."""
 
 
 def split_source(row_source: torch.Tensor, num_tokens: int, top_k: int):
