@@ -42,13 +42,17 @@ TINY_SHAPES = {"tiny": dict(hidden=64, inter=48, experts=4, top_k=2, tokens=40)}
 T = gg.TileConfig
 # variants timed besides each stage's default (CONFIGS); tiny runs use small tiles
 GPU_VARIANTS = {
-    "gate_up_swiglu": {"s4": T(128, 128, 64, num_stages=4, flatten=False),
-                       "flatten": T(128, 128, 64, flatten=True)},
-    "down": {"epi2": T(128, 256, 64, epi_split=2), "128x128 s4": T(128, 128, 64, num_stages=4),
-             "no-flatten": T(128, 256, 64, flatten=False)},
-    "down_dgrad_swiglu": {"flatten": T(128, 128, 64, flatten=True, epi_split=4),
-                          "128x64": T(128, 64, 64, flatten=False)},
-    "gate_up_dgrad": {"flatten": T(128, 256, 64, flatten=True), "epi2": T(128, 256, 64, flatten=False, epi_split=2)},
+    "gate_up_swiglu": {"3 stages": T(128, 128, 64, flatten=False),
+                       "pointer stores": T(128, 128, 64, num_stages=4, flatten=False, epi_tma_stores=False)},
+    "down": {"epi1": T(128, 256, 64), "pointer stores": T(128, 256, 64, epi_split=2, epi_tma_stores=False),
+             "128x128 s4": T(128, 128, 64, num_stages=4)},
+    "down_dgrad_swiglu": {"TMA epilogue": T(128, 128, 64, num_stages=4, epi_split=4),
+                          "TMA stores": T(128, 128, 64, num_stages=4, epi_split=4, epi_tma_loads=False),
+                          "3 stages": T(128, 128, 64, epi_split=4, epi_tma_loads=False, epi_tma_stores=False),
+                          "5 stages": T(128, 128, 64, num_stages=5, epi_split=4, epi_tma_loads=False,
+                                        epi_tma_stores=False)},
+    "gate_up_dgrad": {"pointer stores": T(128, 256, 64, flatten=False, epi_tma_stores=False),
+                      "pointer stores s4": T(128, 256, 64, num_stages=4, flatten=False, epi_tma_stores=False)},
 }
 TINY_VARIANTS = {stage: {"16x32x16": T(16, 32, 16, group_m=2, epi_split=2)} for stage in GPU_VARIANTS}
 
@@ -98,7 +102,7 @@ def rel_err(got, ref, mask):
     return worst
 
 
-def bench_shape(name, shape, tiny, results):
+def bench_shape(name, shape, tiny, results, selected=None):
     device = "cpu" if tiny else "cuda"
     block_m = 16 if tiny else 128
     data = make_inputs(shape, device, block_m)
@@ -113,6 +117,8 @@ def bench_shape(name, shape, tiny, results):
     run_timed = timer(tiny)
 
     def measure(stage, variant, fn, ref, mask=valid, flops=None, nbytes=None):
+        if selected and stage not in selected:
+            return
         out = fn()  # compiles, and is the output checked
         err = rel_err(out, ref, mask)
         del out
@@ -215,6 +221,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes; runs in the CPU interpreter")
     parser.add_argument("--shapes", nargs="*", default=None, help="subset of: " + ", ".join(SHAPES))
+    parser.add_argument("--stages", nargs="*", default=None, help="only these stages (default: all)")
     args = parser.parse_args()
     tiny = args.tiny or not torch.cuda.is_available()
     shapes = TINY_SHAPES if tiny else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
@@ -226,7 +233,7 @@ def main():
     results = []
     for name, shape in shapes.items():
         print(f"{name}: {shape}", flush=True)
-        bench_shape(name, shape, tiny, results)
+        bench_shape(name, shape, tiny, results, args.stages)
         if not tiny:
             torch.cuda.empty_cache()
 

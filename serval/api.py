@@ -14,6 +14,11 @@ Validation happens in two places:
   clear ValueError; on CUDA a device-side assertion (`torch._assert_async`,
   no host sync; a bad id then fails the next synchronising CUDA call), or, with
   `Config(debug=True)`, a host check that synchronises and raises a ValueError.
+* EP capacity overflow (the routing sent one rank more rows than its capacity), inside
+  the op: on CPU or with `debug`, a ValueError at once; on CUDA, without a sync, y,
+  d_x and the experts' weight gradients of that step become NaN (the router weights are
+  poisoned; rows past the capacity are dropped, never written out of bounds) and a later call, once the GPU
+  has run that step, raises the ValueError (`Workspace.check_overflow`).
 """
 
 from __future__ import annotations
@@ -131,10 +136,16 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
         check_expert_ids(topk_ids, w_gate.shape[0], debug)
         schedule, all_router_weights = build_schedule(topk_ids, w_gate.shape[0], block_m), None
     else:
+        workspace.check_overflow()
         check_expert_ids(topk_ids, workspace.num_experts, debug)
         schedule, all_router_weights, overflow = functional.build_ep_schedule(topk_ids, router_weights, workspace)
-        _check_on_device(~overflow, f"the rows routed to one rank's experts exceed its capacity of "
-                         f"{workspace.capacity_rows} rows: raise Config.capacity_multiplier", debug)
+        if x.device.type == "cpu" or debug:  # a host check costs nothing on CPU; debug accepts the sync
+            _check_on_device(~overflow, f"the rows routed to one rank's experts exceed its capacity of "
+                             f"{workspace.capacity_rows} rows: raise Config.capacity_multiplier", debug)
+        else:  # no sync: this step's y, d_x, weight gradients become NaN; a later call raises
+            workspace.record_overflow(overflow)
+            router_weights = router_weights.masked_fill(overflow, float("nan"))
+            all_router_weights = all_router_weights.masked_fill(overflow, float("nan"))
     y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down, shared, config=config,
                                 swiglu_limit=swiglu_limit, workspace=workspace, all_router_weights=all_router_weights)
     kept = [t if t is not None else x.new_empty(_EMPTY) for t in (ctx.gate_up, ctx.shared_gate_up, all_router_weights)]
@@ -203,9 +214,14 @@ def _setup_context(ctx, inputs, output):
     ctx.options = inputs[_FORWARD_TENSOR_INPUTS:]  # swiglu_limit, block_m, recompute, backend, debug, workspace
     ctx.has_shared = ws_gate is not None
     ctx.save_for_backward(x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *output[1:])
+    # only y has a gradient: autograd must not fill zero gradients for the kept tensors (270 MB on kimi-k2)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, d_y, *_unused_output_grads):
+def _backward(ctx, d_y, *_unused_output_grads):  # the unused ones arrive as None
+    if d_y is None:  # y took no part in what is differentiated
+        return (None,) * (_FORWARD_TENSOR_INPUTS + len(ctx.options))
     grads = torch.ops.serval.moe_backward(d_y, *ctx.saved_tensors, *ctx.options)
     d_x, d_rw, d_w_gate, d_w_up, d_w_down, *shared_grads = grads
     if not ctx.has_shared:

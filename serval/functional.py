@@ -76,6 +76,23 @@ class Workspace:
     ep_size: int = 1
     transport: object = None
     id: int = -1
+    # EP on CUDA: capacity overflow seen by any step, kept on the device and mirrored (asynchronously)
+    # into pinned host memory, so that a later call can raise without a host-device sync
+    overflow_device: torch.Tensor | None = None
+    overflow_host: torch.Tensor | None = None
+
+    def record_overflow(self, overflow: torch.Tensor) -> None:
+        """Remember a step's device-side overflow flag (no sync); `check_overflow` reports it later."""
+        torch.maximum(self.overflow_device, overflow.to(torch.int32), out=self.overflow_device)
+        self.overflow_host.copy_(self.overflow_device, non_blocking=True)
+
+    def check_overflow(self) -> None:
+        """ValueError if a step that the GPU has finished overflowed this rank's capacity (reads pinned
+        host memory: no sync; a step still in flight is reported by a later call)."""
+        if self.overflow_host is not None and int(self.overflow_host[0]):
+            raise ValueError(f"serval.moe: an earlier step routed more rows to one rank's experts than its "
+                             f"capacity of {self.capacity_rows} rows (that step's y, d_x and expert weight "
+                             f"gradients are NaN): raise Config.capacity_multiplier")
 
 
 def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *, device=None,
@@ -103,8 +120,12 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
             transport = SharedMemoryTransport(group, num_tokens, top_k)
         capacity = ep_capacity_rows(num_tokens, top_k, ep_size, experts_per_rank, config.block_m,
                                     config.capacity_multiplier)
+        flags = {}
+        if device.type == "cuda":
+            flags = dict(overflow_device=torch.zeros(1, dtype=torch.int32, device=device),
+                         overflow_host=torch.zeros(1, dtype=torch.int32, pin_memory=True))
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device, capacity,
-                       rank=transport.rank, ep_size=ep_size, transport=transport, id=ident)
+                       rank=transport.rank, ep_size=ep_size, transport=transport, id=ident, **flags)
     _WORKSPACES[ident] = ws
     return ws
 

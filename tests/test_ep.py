@@ -19,10 +19,10 @@ from conftest import make_layer, make_routing, rel_err, requires_cuda
 N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
 
 
-def problem(world_size, kind, seed=0):
-    x, weights, shared = make_layer(world_size * N, H, I, E, shared_inter=SHARED, seed=seed)
-    rw, ids = make_routing(world_size * N, E, K, kind=kind, seed=seed)
-    d_y = torch.randn(world_size * N, H, generator=torch.Generator().manual_seed(seed + 1))
+def problem(world_size, kind, num_tokens, seed=0):
+    x, weights, shared = make_layer(world_size * num_tokens, H, I, E, shared_inter=SHARED, seed=seed)
+    rw, ids = make_routing(world_size * num_tokens, E, K, kind=kind, seed=seed)
+    d_y = torch.randn(world_size * num_tokens, H, generator=torch.Generator().manual_seed(seed + 1))
     return x, rw, ids, weights, shared, d_y
 
 
@@ -32,21 +32,26 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
     return (y.detach(), *torch.autograd.grad(y, inputs, d_y))
 
 
-def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device="cpu"):
+def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         group = dist.group.WORLD
-        x, rw, ids, weights, shared, d_y = problem(world_size, kind)
+        x, rw, ids, weights, shared, d_y = problem(world_size, kind, num_tokens)
         if device == "cuda":  # every rank on the one GPU: correctness only, never timing
             x, rw, ids, d_y = x.cuda().bfloat16(), rw.cuda(), ids.cuda(), d_y.cuda().bfloat16()
             weights = [w.cuda().bfloat16() for w in weights]
             shared = tuple(w.cuda().bfloat16() for w in shared)
-        tokens = slice(rank * N, (rank + 1) * N)
+        tokens = slice(rank * num_tokens, (rank + 1) * num_tokens)
         experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
         block_m = 128 if device == "cuda" else 16
         config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier)
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         if capacity_multiplier < world_size and kind == "skewed":
+            if device == "cuda":  # no sync: the step is NaN, a later call raises
+                y, d_x, _, _, _, d_w_down, *_ = layer_grads(*local, group=group, config=config)
+                assert torch.isnan(y.float()).all() and torch.isnan(d_x.float()).all()
+                assert torch.isnan(d_w_down.float()).all()
+                torch.cuda.synchronize()
             with pytest.raises(ValueError, match="capacity_multiplier"):
                 layer_grads(*local, group=group, config=config)
             return
@@ -69,8 +74,8 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         dist.destroy_process_group()
 
 
-def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu"):
-    mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device),
+def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N):
+    mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens),
              nprocs=world_size, join=True)
 
 
@@ -100,3 +105,12 @@ def test_ep_symmetric_memory_on_one_gpu(world_size, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(world_size, tmp_path, backend="auto", device="cuda")
+
+
+@requires_cuda
+def test_ep_capacity_overflow_on_one_gpu(tmp_path, monkeypatch):
+    """On CUDA the overflow is reported without a sync: NaN outputs, then a ValueError at the next call.
+    512 tokens a rank: with 128-row padding, fewer could never exceed the capacity."""
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    run(2, tmp_path, kind="skewed", backend="auto", capacity_multiplier=1.0, device="cuda", num_tokens=512)

@@ -13,6 +13,7 @@ term for cancellation; an indexing or masking bug gives O(1) errors, far outside
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -203,16 +204,29 @@ def test_down(routing, use_tma):
     assert_close(out, stages.down(h, case["w_down"], schedule), valid_rows(schedule), "down")
 
 
+# the SwiGLU-backward epilogue's gate/up loads and output stores: TMA or pointers
+EPILOGUE_IO = {"tma": dict(), "pointer_loads": dict(epi_tma_loads=False),
+               "pointers": dict(epi_tma_loads=False, epi_tma_stores=False)}
+
+
+def _dgrad_config(epilogue_io, dtype=torch.float32):
+    return dataclasses.replace(grouped_gemm.default_config("down_dgrad_swiglu", dtype), **EPILOGUE_IO[epilogue_io])
+
+
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("limit", [None, 0.5])
 @pytest.mark.parametrize("use_tma", TMA_CHOICES)
-def test_down_dgrad_swiglu(routing, limit, use_tma):
+@pytest.mark.parametrize("epilogue_io", list(EPILOGUE_IO))
+def test_down_dgrad_swiglu(routing, limit, use_tma, epilogue_io):
+    if epilogue_io != "tma" and use_tma is False:
+        pytest.skip("the epilogue I/O choice only matters with TMA")
     case = make_case(routing)
     schedule = case["schedule"]
     gate_up = _forward_reference(case, limit)[0]
     d_y_rows = stages.gather(case["d_y"], schedule)
     args = (d_y_rows, case["w_down"], gate_up, case["router_weights"], schedule, limit)
-    d_gate_up, h_weighted, d_rw_rows = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma)
+    d_gate_up, h_weighted, d_rw_rows = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma,
+                                                 config=_dgrad_config(epilogue_io, gate_up.dtype))
     ref = stages.down_dgrad_swiglu(*args)
     rows_ok = valid_rows(schedule)
     assert_close(d_gate_up, ref[0], rows_ok, "d_gate_up")
@@ -354,10 +368,12 @@ def test_gpu_all_stages(how, use_tma):
           stages.down(ref_h, case["w_down"], schedule), "down")
     d_y_rows = stages.gather(case["d_y"], schedule)
     args = (d_y_rows, case["w_down"], ref_gate_up, case["router_weights"], schedule, limit)
-    got = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma)
     ref = stages.down_dgrad_swiglu(*args)
-    for name, a, b in zip(("d_gate_up", "h_weighted", "d_rw_rows"), got, ref):
-        check(a, b, name)
+    for epilogue_io in EPILOGUE_IO:
+        got = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma,
+                        config=_dgrad_config(epilogue_io, torch.bfloat16))
+        for name, a, b in zip(("d_gate_up", "h_weighted", "d_rw_rows"), got, ref):
+            check(a, b, f"{name} ({epilogue_io})")
     check(run_twice(grouped_gemm.gate_up_dgrad, ref[0], case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
           stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule), "d_x_rows")
 

@@ -201,13 +201,15 @@ def test_torch_compile_fullgraph():
 def test_no_host_sync_and_cuda_graph():
     x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
     rw, ids = make_routing(512, 8, 2, device="cuda")
-    inputs = [t.requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
+    d_y = torch.randn_like(x)
 
     def step():
-        y = serval.moe(x, rw, ids, wg, wu, wd, shared)
-        return (y, *torch.autograd.grad(y, inputs, d_y))
+        # fresh leaves each step: autograd syncs a gradient to the stream its leaf's accumulator was
+        # made on, and one made on the default stream outside the capture breaks the capture
+        leaves = [t.detach().requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
+        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:5], tuple(leaves[5:]))
+        return (y, *torch.autograd.grad(y, leaves, d_y))
 
-    d_y = torch.randn_like(x)
     eager = step()  # warm-up: kernels compiled, allocator primed
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

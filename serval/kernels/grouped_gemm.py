@@ -72,6 +72,10 @@ class TileConfig:
     flatten: bool = True
     # epilogue in column chunks of block_n // epi_split (1, 2 or 4)
     epi_split: int = 1
+    # the epilogue's stores through TMA (else pointer stores, which no later store waits for), and
+    # swiglu_bwd's gate/up reads through TMA (else pointer loads, which stay in flight during the math)
+    epi_tma_stores: bool = True
+    epi_tma_loads: bool = True
 
 
 # The choice, per stage (Hopper; block_m is capped at the schedule's block_m):
@@ -89,12 +93,17 @@ class TileConfig:
 CONFIGS = {
     "hopper": {
         # H200, 2026-11-29 (benchmarks/kernel_stages.py, gather kernel + TMA GEMM): 4 stages 707 vs 636
-        # TFLOP/s with 3 on kimi-k2, 606 vs 551 on qwen3-30b-a3b
-        "gate_up_swiglu": TileConfig(128, 128, 64, num_stages=4, flatten=False),
+        # TFLOP/s with 3 on kimi-k2, 606 vs 551 on qwen3-30b-a3b; pointer stores (gate, up and h no
+        # longer wait on each other's TMA store): 731 vs 694 (kimi-k2), 659 vs 562 (qwen3-30b-a3b)
+        "gate_up_swiglu": TileConfig(128, 128, 64, num_stages=4, flatten=False, epi_tma_stores=False),
         # the epilogue in 2 column chunks: 721 vs 663 (kimi-k2), 674 vs 663 (qwen3-30b-a3b)
         "down": TileConfig(128, 256, 64, epi_split=2),
-        # flattened: 444 vs 438 (kimi-k2), 286 vs 275 (qwen3-30b-a3b)
-        "down_dgrad_swiglu": TileConfig(128, 128, 64, flatten=True, epi_split=4),
+        # the epilogue reads gate/up with pointer loads (chunk c + 1's in flight during chunk c's math; a TMA
+        # load is waited for where it is issued: 8 round trips a tile) and stores with pointers, 4 stages:
+        # 596 vs 446 TFLOP/s for the former TMA epilogue, 3 stages (kimi-k2); 419 vs 287 (qwen3-30b-a3b).
+        # TMA stores: 592 / 387; 5 stages: 528 / 430; TMA loads and stores at 4 stages: 540 / 318
+        "down_dgrad_swiglu": TileConfig(128, 128, 64, num_stages=4, epi_split=4, epi_tma_loads=False,
+                                        epi_tma_stores=False),
         "gate_up_dgrad": TileConfig(128, 256, 64, flatten=False),
     },
     # fp32 operands on the GPU (exact fp32 dots on the FMA units, for checks, not speed): small tiles;
@@ -249,17 +258,17 @@ def _column_chunks(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl
 
 
 @triton.jit
-def _swiglu_bwd_chunk(d_h_raw, rw, m0, n0, n_limit, g_desc, u_desc, c0_desc, c1_desc, h_desc,
-                      gate_up_ptr, c_ptr, stride_c, h_ptr, swiglu_limit,
+def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c1_desc, h_desc,
+                      c_ptr, stride_c, h_ptr, swiglu_limit,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr):
     """SwiGLU backward of one [BLOCK_M, BLOCK_N] chunk of the down dgrad; returns its d_rw row partials.
 
     As stages.down_dgrad_swiglu: d_h = rw * d_h_raw, d_gate = d_h * up * silu'(gate), d_up = d_h * silu(gate),
     no gradient through an active clamp; h is recomputed exactly as the forward stored it. Ordered so that
-    few fp32 temporaries are live at once: the gate half is reduced to (silu, silu') before up is loaded.
+    few fp32 temporaries are live at once: the gate half is reduced to (silu, silu') before up is widened.
     """
     dtype = c_ptr.dtype.element_ty
-    pre_gate = _load_tile(g_desc, gate_up_ptr, stride_c, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA).to(tl.float32)
+    pre_gate = pre_gate.to(tl.float32)
     if HAS_LIMIT:
         gate = _clamp_gate(pre_gate, swiglu_limit)
     else:
@@ -269,8 +278,7 @@ def _swiglu_bwd_chunk(d_h_raw, rw, m0, n0, n_limit, g_desc, u_desc, c0_desc, c1_
     d_silu = sig * (1 + gate * (1 - sig))
     if HAS_LIMIT:
         d_silu = d_silu * (pre_gate <= swiglu_limit).to(tl.float32)
-    pre_up = _load_tile(u_desc, gate_up_ptr + n_limit, stride_c, m0, n0, n_limit, BLOCK_M, BLOCK_N,
-                        USE_TMA).to(tl.float32)
+    pre_up = pre_up.to(tl.float32)
     if HAS_LIMIT:
         up = _clamp_up(pre_up, swiglu_limit)
     else:
@@ -310,12 +318,14 @@ def _grouped_gemm_kernel(
     NUM_SMS: tl.constexpr,
     A_GATHER: tl.constexpr, W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_SPLIT: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, EPI_TMA_LOADS_CFG: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr,
 ):
     DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
     SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [R, 2 N_OUT] and [R, N_OUT]
     A_POINTERS: tl.constexpr = A_GATHER or not USE_TMA
     EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
+    EPI_TMA_LOADS: tl.constexpr = USE_TMA and EPI_TMA_LOADS_CFG
+    EPI_TMA_STORES: tl.constexpr = USE_TMA and EPI_TMA_STORES_CFG
     dtype = w0_ptr.dtype.element_ty
 
     # used tiles only: the count lives on the device, no host sync
@@ -413,7 +423,7 @@ def _grouped_gemm_kernel(
         if EPILOGUE == "store":
             for c in tl.static_range(EPI_SPLIT):
                 _store_tile(c0_desc, c_ptr, stride_c, chunks0[c].to(dtype), m0, n0 + c * EPI_N, N_OUT,
-                            BLOCK_M, EPI_N, USE_TMA)
+                            BLOCK_M, EPI_N, EPI_TMA_STORES)
 
         elif EPILOGUE == "swiglu_fwd":
             chunks1 = _column_chunks(acc1, BLOCK_M, BLOCK_N, EPI_SPLIT)
@@ -421,20 +431,33 @@ def _grouped_gemm_kernel(
                 # gate_up is stored rounded; h is computed from the rounded values, as the torch stage does
                 gate = chunks0[c].to(dtype)
                 up = chunks1[c].to(dtype)
-                _store_tile(c0_desc, c_ptr, stride_c, gate, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N, USE_TMA)
+                _store_tile(c0_desc, c_ptr, stride_c, gate, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
+                            EPI_TMA_STORES)
                 _store_tile(c1_desc, c_ptr + N_OUT, stride_c, up, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
-                            USE_TMA)
+                            EPI_TMA_STORES)
                 h = _swiglu_h(gate.to(tl.float32), up.to(tl.float32), swiglu_limit, HAS_LIMIT)
-                _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N, USE_TMA)
+                _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
+                            EPI_TMA_STORES)
 
         else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e], the unscaled d_h
             source = tl.load(row_source_ptr + rows)
             rw = tl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
+            # chunk c + 1's gate/up tiles are loaded before chunk c is computed: pointer loads
+            # (EPI_TMA_LOADS=False) stay in flight meanwhile, a TMA load is waited for where it is issued
+            g_next = _load_tile(g_desc, gate_up_ptr, stride_c, m0, n0, N_OUT, BLOCK_M, EPI_N, EPI_TMA_LOADS)
+            u_next = _load_tile(u_desc, gate_up_ptr + N_OUT, stride_c, m0, n0, N_OUT, BLOCK_M, EPI_N, EPI_TMA_LOADS)
             d_rw_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for c in tl.static_range(EPI_SPLIT):  # the row partials are added in column order
-                d_rw_part += _swiglu_bwd_chunk(chunks0[c], rw, m0, n0 + c * EPI_N, N_OUT, g_desc, u_desc,
-                                               c0_desc, c1_desc, h_desc, gate_up_ptr, c_ptr, stride_c, h_ptr,
-                                               swiglu_limit, BLOCK_M, EPI_N, HAS_LIMIT, USE_TMA)
+                gate = g_next
+                up = u_next
+                if c + 1 < EPI_SPLIT:
+                    g_next = _load_tile(g_desc, gate_up_ptr, stride_c, m0, n0 + (c + 1) * EPI_N, N_OUT,
+                                        BLOCK_M, EPI_N, EPI_TMA_LOADS)
+                    u_next = _load_tile(u_desc, gate_up_ptr + N_OUT, stride_c, m0, n0 + (c + 1) * EPI_N, N_OUT,
+                                        BLOCK_M, EPI_N, EPI_TMA_LOADS)
+                d_rw_part += _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT,
+                                               c0_desc, c1_desc, h_desc, c_ptr, stride_c, h_ptr, swiglu_limit,
+                                               BLOCK_M, EPI_N, HAS_LIMIT, EPI_TMA_STORES)
             tl.store(d_rw_partial_ptr + rows.to(tl.int64) * num_n_tiles + n_tile, d_rw_part)
 
 
@@ -513,7 +536,8 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         NUM_SMS=num_programs,
         A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
-        EPI_SPLIT=config.epi_split, num_warps=config.num_warps, num_stages=config.num_stages,
+        EPI_SPLIT=config.epi_split, EPI_TMA_LOADS_CFG=config.epi_tma_loads,
+        EPI_TMA_STORES_CFG=config.epi_tma_stores, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
