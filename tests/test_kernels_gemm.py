@@ -182,11 +182,13 @@ def _forward_reference(case, limit):
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("limit", [None, 0.5])
-@pytest.mark.parametrize("a_source", ["fused_gather", "rows_tma", "rows_pointers"])
+@pytest.mark.parametrize("a_source", ["fused_gather", "rows_tma", "rows_tma_pointer_stores", "rows_pointers"])
 def test_gate_up_swiglu(routing, limit, a_source):
     case = make_case(routing)
     schedule = case["schedule"]
     kwargs = dict(fused_gather=a_source == "fused_gather", use_tma=a_source != "rows_pointers")
+    if a_source == "rows_tma_pointer_stores":  # TMA loads, pointer stores in the epilogue
+        kwargs["config"] = dataclasses.replace(grouped_gemm.default_config("gate_up_swiglu"), epi_tma_stores=False)
     gate_up, h = run_twice(grouped_gemm.gate_up_swiglu, case["x"], case["w_gate"], case["w_up"], schedule, limit,
                            **kwargs)
     ref_gate_up, ref_h = _forward_reference(case, limit)

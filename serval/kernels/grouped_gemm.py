@@ -26,6 +26,12 @@ constexpr switches select the variant, so the compiler specialises each use:
   worth timing). Both paths run in Triton 3.9's interpreter.
 * HAS_LIMIT: the SwiGLU clamps (swiglu_limit). EPI_SPLIT: the epilogue works on 1, 2
   or 4 column chunks of the tile (fewer live registers, smaller store staging).
+  EPI_TMA_STORES / EPI_TMA_LOADS: the epilogue's stores and swiglu_bwd's gate/up reads
+  through TMA or through pointers. The kernel is not warp-specialised, so the epilogue is
+  not overlapped with MMA work: a TMA load there is a full memory round trip the warps
+  wait out (Triton waits right where it is issued), and each TMA store waits for the one
+  before it to leave the shared staging buffer. Pointer loads of chunk c + 1 stay in flight
+  while chunk c is computed, and pointer stores are fire-and-forget.
   FLATTEN: let the pipeliner overlap a tile's epilogue with the next tile's loads.
   UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set it there only).
 
