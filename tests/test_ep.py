@@ -79,7 +79,7 @@ def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplie
              nprocs=world_size, join=True)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_ep_bitwise_equals_ep1(world_size, tmp_path):
     run(world_size, tmp_path)
 
@@ -99,7 +99,7 @@ def test_ep_triton_kernels_in_interpreter(tmp_path):
 
 
 @requires_cuda
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_ep_symmetric_memory_on_one_gpu(world_size, tmp_path, monkeypatch):
     """The CUDA path (symmetric-memory transport, Triton kernels), several processes on one GPU."""
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
