@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_stages.py            # H200: kimi-k2 and qwen3-30b-a3b, balanced routing (< 4 min)
     python benchmarks/kernel_stages.py --tiny     # any machine: tiny shapes (TRITON_INTERPRET=1 without a GPU)
+    python benchmarks/kernel_stages.py --compile-only   # any machine: registers and spills of every GEMM config
 
 For every stage it runs a few variants (A gathered in the GEMM vs gather kernel + TMA GEMM,
 tile configurations, TMA vs pointer loads, the torch stage itself), checks each against the
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and "--compile-only" not in sys.argv:  # compiling needs the real JIT
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -42,8 +43,8 @@ TINY_SHAPES = {"tiny": dict(hidden=64, inter=48, experts=4, top_k=2, tokens=40)}
 T = gg.TileConfig
 # variants timed besides each stage's default (CONFIGS); tiny runs use small tiles
 GPU_VARIANTS = {
-    "gate_up_swiglu": {"3 stages": T(128, 128, 64, flatten=False),
-                       "pointer stores": T(128, 128, 64, num_stages=4, flatten=False, epi_tma_stores=False)},
+    "gate_up_swiglu": {"3 stages": T(128, 128, 64, flatten=False, epi_tma_stores=False),
+                       "TMA stores": T(128, 128, 64, num_stages=4, flatten=False)},
     "down": {"epi1": T(128, 256, 64), "pointer stores": T(128, 256, 64, epi_split=2, epi_tma_stores=False),
              "128x128 s4": T(128, 128, 64, num_stages=4)},
     "down_dgrad_swiglu": {"TMA epilogue": T(128, 128, 64, num_stages=4, epi_split=4),
@@ -217,12 +218,70 @@ def bench_shape(name, shape, tiny, results, selected=None):
         measure(stage, "torch", lambda: stages.gate_up_dgrad(d_gate_up, w_gate, w_up, sched), ref, flops=flops)
 
 
+# how each stage drives the one grouped-GEMM kernel (A rows materialised, TMA, the SwiGLU clamps on)
+STAGE_SWITCHES = {
+    "gate_up_swiglu": dict(W_NK=True, K_SPLIT=False, EPILOGUE="swiglu_fwd"),
+    "down": dict(W_NK=True, K_SPLIT=False, EPILOGUE="store"),
+    "down_dgrad_swiglu": dict(W_NK=False, K_SPLIT=False, EPILOGUE="swiglu_bwd"),
+    "gate_up_dgrad": dict(W_NK=False, K_SPLIT=True, EPILOGUE="store"),
+}
+
+
+def compile_only(selected=None) -> None:
+    """Compile each stage's default and variant configs for sm_90 (no GPU needed) and print shared
+    memory, registers and spill bytes (ptxas -v). Use the device's Triton version (3.6 on the H200):
+    register allocation differs between versions."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = gg._grouped_gemm_kernel
+    pointers = {"a_ptr": "*bf16", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "expert_offsets_ptr": "*i32",
+                "w0_ptr": "*bf16", "w1_ptr": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "gate_up_ptr": "*bf16",
+                "router_weights_ptr": "*fp32", "d_rw_partial_ptr": "*fp32"}
+    ints = ["stride_a", "top_k", "num_rows", "num_experts", "sched_block_m", "stride_c", "N_OUT", "K"]
+    aligned = list(pointers) + ["stride_a", "stride_c", "N_OUT", "K"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    print(f"triton {triton.__version__}, sm_90a: shared memory (of 232448 B), registers, spill bytes")
+    for stage, switches in STAGE_SWITCHES.items():
+        if selected and stage not in selected:
+            continue
+        for label, cfg in {"default": gg.default_config(stage), **GPU_VARIANTS[stage]}.items():
+            signature = {name: "constexpr" for name in fn.arg_names}
+            signature.update(pointers, **{name: "i32" for name in ints}, swiglu_limit="fp32")
+            constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                             NUM_SMS=132, A_GATHER=False, HAS_LIMIT=True, USE_TMA=True, UPCAST=False,
+                             FLATTEN=cfg.flatten, EPI_SPLIT=cfg.epi_split, EPI_TMA_LOADS_CFG=cfg.epi_tma_loads,
+                             EPI_TMA_STORES_CFG=cfg.epi_tma_stores, **switches)
+            attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+            kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+                ptx.write(kernel.asm["ptx"])
+                ptx.flush()
+                report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull],
+                                        capture_output=True, text=True).stderr
+            regs = re.findall(r"Used (\d+) registers", report)
+            spills = re.findall(r"(\d+) bytes spill stores", report)
+            print(f"  {stage:18s} {label:26s} smem {kernel.metadata.shared:7d}  registers {regs[0] if regs else '?':>4s}"
+                  f"  spills {spills[0] if spills else '?':>5s}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes; runs in the CPU interpreter")
     parser.add_argument("--shapes", nargs="*", default=None, help="subset of: " + ", ".join(SHAPES))
     parser.add_argument("--stages", nargs="*", default=None, help="only these stages (default: all)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the GEMM configs for sm_90 and show registers and spills (no GPU needed)")
     args = parser.parse_args()
+    if args.compile_only:
+        compile_only(args.stages)
+        return 0
     tiny = args.tiny or not torch.cuda.is_available()
     shapes = TINY_SHAPES if tiny else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
     if not tiny:
