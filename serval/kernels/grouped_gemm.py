@@ -99,8 +99,10 @@ class TileConfig:
 CONFIGS = {
     "hopper": {
         # H200, 2026-11-29 (benchmarks/kernel_stages.py, gather kernel + TMA GEMM): 4 stages 707 vs 636
-        # TFLOP/s with 3 on kimi-k2, 606 vs 551 on qwen3-30b-a3b; pointer stores (gate, up and h no
-        # longer wait on each other's TMA store): 731 vs 694 (kimi-k2), 659 vs 562 (qwen3-30b-a3b)
+        # TFLOP/s with 3 on kimi-k2, 606 vs 551 on qwen3-30b-a3b. Pointer stores (gate, up and h no longer
+        # wait on each other's TMA store), GEMM alone: 731 vs 653 (kimi-k2), 659 vs 600 (qwen3-30b-a3b) in
+        # one run, 655 vs 670 and 598 vs 606 in a later one on another lease: within this GEMM's
+        # run-to-run spread; the layer's forward moved -3% to +2% by shape. Kept, not proven.
         "gate_up_swiglu": TileConfig(128, 128, 64, num_stages=4, flatten=False, epi_tma_stores=False),
         # the epilogue in 2 column chunks: 721 vs 663 (kimi-k2), 674 vs 663 (qwen3-30b-a3b)
         "down": TileConfig(128, 256, 64, epi_split=2),
