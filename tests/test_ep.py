@@ -6,6 +6,7 @@ are BITWISE equal to the EP=1 layer on the concatenated batch (row order and red
 depend on P), that two runs are identical, and that a routing beyond the capacity is a clear error.
 """
 
+import datetime
 import os
 
 import pytest
@@ -33,7 +34,8 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
 
 
 def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=5))
     try:
         group = dist.group.WORLD
         x, rw, ids, weights, shared, d_y = problem(world_size, kind, num_tokens)
@@ -54,6 +56,7 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
                 torch.cuda.synchronize()
             with pytest.raises(ValueError, match="capacity_multiplier"):
                 layer_grads(*local, group=group, config=config)
+            dist.barrier()  # leave together: a gloo peer that exits early can abort the others (std::terminate)
             return
         ep = layer_grads(*local, group=group, config=config)
         again = layer_grads(*local, group=group, config=config)
@@ -70,6 +73,7 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         own_shared = torch.autograd.grad(serval.reference.mlp(x[tokens], *shared_leaves), shared_leaves, d_y[tokens])
         for got, want in zip(d_shared, own_shared):
             assert rel_err(got, want) < (2e-2 if device == "cuda" else 1e-5)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
