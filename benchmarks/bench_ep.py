@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 import bench_layer  # also puts this checkout's serval first on the path
 from bench_layer import (SHAPES as LAYER_SHAPES, balanced_routing, env_info, flops, latest, load_records,
-                         make_inputs, make_params, memory_gib, plot, print_table, rel_err, run_and_grads,
+                         make_inputs, make_params, memory_gib, plot, print_table, rel_err,
                          save_records, shared_mlp, shared_of, time_ms)
 
 import serval
@@ -382,15 +382,7 @@ def main():
         for scope in scopes:
             if scope == "layer" and not inp["shape"][-1]:
                 continue  # no shared expert: layer == routed
-            # the reference: nccl_a2a's y (and grads when fwdbwd is asked for)
-            p_ref = make_params(inp, scope)
-            ref_impl = functools.partial(nccl_a2a, group=group)
-            if "fwdbwd" in passes:
-                ref = run_and_grads(ref_impl, p_ref, inp["topk_ids"], inp["dy"])
-            else:
-                with torch.no_grad():
-                    ref = (ref_impl(p_ref, inp["topk_ids"]), None)
-            del p_ref
+            ref = bench_layer.reference(functools.partial(nccl_a2a, group=group), inp, scope, passes)
             for name in impls:
                 records = bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info)
                 if rank == 0:

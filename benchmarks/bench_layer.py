@@ -275,6 +275,15 @@ def run_and_grads(impl, p, topk_ids, dy):
     return y.detach(), dict(zip(p.keys(), grads))
 
 
+def reference(impl, inp, scope, passes):
+    """What every implementation is checked against: impl's y, and its gradients when fwdbwd is asked for."""
+    p = make_params(inp, scope)
+    if "fwdbwd" in passes:
+        return run_and_grads(impl, p, inp["topk_ids"], inp["dy"])
+    with torch.no_grad():
+        return impl(p, inp["topk_ids"]), None
+
+
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -479,14 +488,7 @@ def main():
         for scope in scopes:
             if scope == "layer" and not inp["shape"][-1]:
                 continue  # no shared expert: layer == routed
-            # the reference: torch_grouped_mm's y (and grads when fwdbwd is asked for)
-            p_ref = make_params(inp, scope)
-            if "fwdbwd" in passes:
-                ref = run_and_grads(torch_grouped_mm, p_ref, inp["topk_ids"], inp["dy"])
-            else:
-                with torch.no_grad():
-                    ref = (torch_grouped_mm(p_ref, inp["topk_ids"]), None)
-            del p_ref
+            ref = reference(torch_grouped_mm, inp, scope, passes)
             for name, (impl, prepare) in impls.items():
                 save_records(bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, device, info),
                              args.out)

@@ -140,8 +140,7 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
         check_expert_ids(topk_ids, workspace.num_experts, debug)
         schedule, all_router_weights, overflow = functional.build_ep_schedule(topk_ids, router_weights, workspace)
         if x.device.type == "cpu" or debug:  # a host check costs nothing on CPU; debug accepts the sync
-            _check_on_device(~overflow, f"the rows routed to one rank's experts exceed its capacity of "
-                             f"{workspace.capacity_rows} rows: raise Config.capacity_multiplier", debug)
+            workspace.check_overflow(overflow)
         else:  # no sync: this step's y, d_x, weight gradients become NaN; a later call raises
             workspace.record_overflow(overflow)
             router_weights = router_weights.masked_fill(overflow, float("nan"))

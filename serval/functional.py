@@ -86,13 +86,20 @@ class Workspace:
         torch.maximum(self.overflow_device, overflow.to(torch.int32), out=self.overflow_device)
         self.overflow_host.copy_(self.overflow_device, non_blocking=True)
 
-    def check_overflow(self) -> None:
-        """ValueError if a step that the GPU has finished overflowed this rank's capacity (reads pinned
-        host memory: no sync; a step still in flight is reported by a later call)."""
-        if self.overflow_host is not None and int(self.overflow_host[0]):
-            raise ValueError(f"serval.moe: an earlier step routed more rows to one rank's experts than its "
-                             f"capacity of {self.capacity_rows} rows (that step's y, d_x and expert weight "
-                             f"gradients are NaN): raise Config.capacity_multiplier")
+    def check_overflow(self, overflow: torch.Tensor | None = None) -> None:
+        """ValueError if `overflow` (a host check: a sync on CUDA) or a step that the GPU has finished
+        overflowed a rank's capacity (reads pinned host memory: no sync; a step still in flight is
+        reported by a later call)."""
+        if overflow is not None:
+            late = ""
+            if not bool(overflow):
+                return
+        elif self.overflow_host is not None and int(self.overflow_host[0]):
+            late = " in an earlier step (its y, d_x and expert weight gradients are NaN)"
+        else:
+            return
+        raise ValueError(f"serval.moe: the rows routed to one rank's experts exceeded its capacity of "
+                         f"{self.capacity_rows} rows{late}: raise Config.capacity_multiplier")
 
 
 def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *, device=None,
