@@ -3,6 +3,7 @@
     python benchmarks/kernel_stages.py            # H200: kimi-k2 and qwen3-30b-a3b, balanced routing (< 4 min)
     python benchmarks/kernel_stages.py --tiny     # any machine: tiny shapes (TRITON_INTERPRET=1 without a GPU)
     python benchmarks/kernel_stages.py --compile-only   # any machine: registers and spills of every GEMM config
+    python benchmarks/kernel_stages.py --soak 1   # H200: each timing after 1 s of load, at the power cap
 
 For every stage it runs a few variants (A gathered in the GEMM vs gather kernel + TMA GEMM,
 tile configurations, TMA vs pointer loads, the torch stage itself), checks each against the
@@ -10,7 +11,9 @@ torch stage (relative error ||a - b|| / ||b|| over the rows that hold a (token, 
 times it (triton.testing.do_bench, median, L2 flushed between runs). GEMM rates count
 2 * M * N * K over the real routed rows M = tokens * k (padding rows are overhead); row-kernel
 rates count bytes read + written. Ceilings (ENVIRONMENT.md, this H200): 793 TFLOP/s dense bf16,
-4.2 TB/s device copy (read + write). The table comes last.
+4.2 TB/s device copy (read + write), both in bursts; at the 700 W power cap a dense matmul settles near
+670 TFLOP/s (BENCHMARKS.md), and with --soak variants are timed there, as training runs them. The table
+comes last.
 """
 
 from __future__ import annotations
@@ -79,13 +82,17 @@ def make_inputs(shape, device, block_m):
     )
 
 
-def timer(tiny):
+def timer(tiny, soak=0.0):
     if tiny:  # the interpreter: one run, only to exercise the code
         def run(fn):
             start = time.perf_counter()
             fn()
             return (time.perf_counter() - start) * 1e3
         return run
+    if soak > 0:  # the GPU at its power cap, as in training (bench_layer.time_ms); no L2 flush
+        from bench_layer import time_ms
+
+        return lambda fn: time_ms(fn, 3, 20, torch.device("cuda"), soak)
     import triton.testing
 
     return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -103,7 +110,7 @@ def rel_err(got, ref, mask):
     return worst
 
 
-def bench_shape(name, shape, tiny, results, selected=None):
+def bench_shape(name, shape, tiny, results, selected=None, soak=0.0):
     device = "cpu" if tiny else "cuda"
     block_m = 16 if tiny else 128
     data = make_inputs(shape, device, block_m)
@@ -115,7 +122,7 @@ def bench_shape(name, shape, tiny, results, selected=None):
     valid = sched.row_source >= 0
     token_mask = torch.ones(shape["tokens"], dtype=torch.bool, device=device)
     variants = TINY_VARIANTS if tiny else GPU_VARIANTS
-    run_timed = timer(tiny)
+    run_timed = timer(tiny, soak)
 
     def measure(stage, variant, fn, ref, mask=valid, flops=None, nbytes=None):
         if selected and stage not in selected:
@@ -278,6 +285,9 @@ def main():
     parser.add_argument("--stages", nargs="*", default=None, help="only these stages (default: all)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the GEMM configs for sm_90 and show registers and spills (no GPU needed)")
+    parser.add_argument("--soak", type=float, default=0.0,
+                        help="seconds of sustained load before each timing, at the power cap (default: "
+                             "do_bench bursts with the L2 flushed)")
     args = parser.parse_args()
     if args.compile_only:
         compile_only(args.stages)
@@ -292,7 +302,7 @@ def main():
     results = []
     for name, shape in shapes.items():
         print(f"{name}: {shape}", flush=True)
-        bench_shape(name, shape, tiny, results, args.stages)
+        bench_shape(name, shape, tiny, results, args.stages, args.soak)
         if not tiny:
             torch.cuda.empty_cache()
 

@@ -1,0 +1,36 @@
+"""The benchmark scripts still run: their --tiny modes, in seconds (CPU, or the GPU where there is one)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CUDA
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def run_script(name, *args):
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, name), *args], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_bench_layer_tiny(tmp_path):
+    out = tmp_path / "records.json"
+    run_script("bench_layer.py", "--tiny", "--impls", "serval,torch_grouped_mm,hf_loop", "--iters", "2",
+               "--warmup", "1", "--soak", "0.1", "--out", str(out))
+    records = json.load(open(out))
+    routed = [r for r in records if r["scope"] != "dense"]
+    assert {r["impl"] for r in routed} == {"serval", "torch_grouped_mm", "hf_loop"}
+    for r in routed:
+        assert r["error"] is None and r["ms"] > 0 and r["tflops"] > 0, r
+        assert r["rel_err"] < 3e-2 and r["soak_s"] == 0.1
+
+
+@pytest.mark.skipif(CUDA, reason="--tiny runs the kernels in the CPU interpreter")
+def test_kernel_stages_tiny():
+    assert "all within rel err" in run_script("kernel_stages.py", "--tiny")
