@@ -166,10 +166,11 @@ def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
     i32 = dict(dtype=torch.int32, device=x.device)
     schedule = (x.new_empty(num_experts, **i32), x.new_empty(num_experts + 1, **i32), x.new_empty(capacity, **i32),
                 x.new_empty(ep_size * num_tokens, top_k, **i32), x.new_empty(capacity // block_m, **i32))
-    gate_up = x.new_empty(_EMPTY) if recompute else x.new_empty(capacity, 2 * inter)
+    # the kept pre-activations are packed: Schedule.num_packed rows
+    gate_up = x.new_empty(_EMPTY) if recompute else x.new_empty(min(capacity, ep_size * num_tokens * top_k), 2 * inter)
     shared_gate_up = x.new_empty(_EMPTY)
     if ws_gate is not None and not recompute:
-        shared_gate_up = x.new_empty(capacity_rows(num_tokens, 1, block_m), 2 * ws_gate.shape[0])
+        shared_gate_up = x.new_empty(num_tokens, 2 * ws_gate.shape[0])
     all_router_weights = router_weights.new_empty(ep_size * num_tokens, top_k) if workspace else x.new_empty(_EMPTY)
     return (torch.empty_like(x), *schedule, gate_up, shared_gate_up, all_router_weights)
 

@@ -15,8 +15,9 @@ owners (dispatch) and the results pushed back into the owners' slots (combine),
 and the same for d_y and d_x in backward (see `serval.transport`).
 
 What is kept for backward (`ForwardContext`): the schedule (int32, O(N*k)) and
-the gate/up pre-activations [R, 2I] of the routed experts (and [N, 2Is] of the
-shared expert), in the input dtype; at EP also the group's router weights
+the gate/up pre-activations of the routed experts in packed rows (no padding:
+[N*k, 2I] at EP=1, the rank's capacity at EP) and [N, 2Is] of the shared expert,
+in the input dtype; at EP also the group's router weights
 [P*N, k] fp32. Expert outputs, h = SwiGLU(gate, up) and the gathered tokens are
 NOT kept: backward recomputes h from the pre-activations and regathers (pulls)
 tokens from `x`. With `Config(recompute=True)` the pre-activations are not kept
@@ -195,8 +196,8 @@ class ForwardContext:
 
     schedule: Schedule
     shared_schedule: Schedule | None
-    gate_up: torch.Tensor | None  # [R, 2I] routed pre-activations (None: recompute)
-    shared_gate_up: torch.Tensor | None  # [Rs, 2Is]
+    gate_up: torch.Tensor | None  # [num_packed, 2I] routed pre-activations, packed rows (None: recompute)
+    shared_gate_up: torch.Tensor | None  # [N, 2Is]
     swiglu_limit: float | None
     all_router_weights: torch.Tensor | None = None  # EP: the group's router weights [P*N, k]
 

@@ -21,6 +21,10 @@ Layout (EP=1; N tokens, k slots, E experts, M = block_m):
   rows through it in slot order, and ``d_x`` sums them in the same order.
 * ``tile_expert[i]`` is the expert of M-tile i, -1 for a tile past the used rows;
   ``expert_offsets[E] // M`` is the number of used tiles.
+* *packed* rows: the rows that hold a source, in row order, without the padding
+  (``packed_index``). What the forward keeps for backward (the gate/up pre-activations)
+  is stored packed, so padding costs no memory across the two passes: ``num_packed`` rows,
+  N*k at EP=1, the same as a layout without padding.
 
 Capacity: at most ``N*k`` real rows plus ``M - 1`` padding rows for each expert that
 has rows, so ``capacity_rows = M * floor((N*k + min(E, N*k) * (M - 1)) / M)`` holds
@@ -65,9 +69,28 @@ class Schedule:
     def top_k(self) -> int:
         return self.source_row.shape[1]
 
+    @property
+    def num_packed(self) -> int:
+        """Rows of a packed buffer (see `packed_index`): the most rows that can hold a source."""
+        return min(self.capacity, self.source_row.numel())
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The device tensors, in field order (what autograd saves for backward)."""
         return (self.tokens_per_expert, self.expert_offsets, self.row_source, self.source_row, self.tile_expert)
+
+
+def packed_index(schedule: Schedule) -> torch.Tensor:
+    """[capacity] int32: each row's index among the rows that hold a source (row order), -1 on padding."""
+    used = schedule.row_source >= 0
+    return torch.where(used, torch.cumsum(used, 0, dtype=torch.int32) - 1, -1)
+
+
+def packed_rows(schedule: Schedule) -> torch.Tensor:
+    """[num_packed] int64: the row of each packed index (the inverse of `packed_index`); indices past
+    the used rows (only at EP, where num_packed is the capacity) map to the last row, never read back."""
+    used_before = torch.cumsum(schedule.row_source >= 0, 0)  # [capacity], nondecreasing
+    wanted = torch.arange(1, schedule.num_packed + 1, device=used_before.device)
+    return torch.searchsorted(used_before, wanted).clamp(max=schedule.capacity - 1)
 
 
 def build_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:

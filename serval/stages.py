@@ -8,9 +8,10 @@ any device and dtype, with no host sync and no floating-point scatter/atomics;
 numerics are shared, so a kernel can replace one stage at a time.
 
 Shapes: N tokens, k slots, H hidden, I expert intermediate, E experts, R rows
-(the schedule's capacity). `gate_up` is the gate/up pre-activation [R, 2I],
-gate in columns [0, I), up in [I, 2I). Reductions accumulate in fp32 (fp64 for
-fp64 inputs) and round once at the end.
+(the schedule's capacity). `gate_up` is the gate/up pre-activation, gate in
+columns [0, I), up in [I, 2I), kept for backward in *packed* rows [num_packed, 2I]
+(the rows that hold a source, without the padding; `serval.schedule.packed_index`).
+Reductions accumulate in fp32 (fp64 for fp64 inputs) and round once at the end.
 
 Forward:   gather -> gate_up_swiglu -> down -> combine
 Backward:  gather(d_y) -> down_dgrad_swiglu (d_h, SwiGLU backward, d_router_weights)
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .schedule import Schedule
+from .schedule import Schedule, packed_index, packed_rows
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -100,13 +101,14 @@ def swiglu(gate_up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
 # ---------------------------------------------------------------- forward
 
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *, a_rows=None):
-    """Gather + grouped GEMM gate/up + SwiGLU: returns (gate_up [R, 2I] kept for backward, h [R, I]).
+    """Gather + grouped GEMM gate/up + SwiGLU: returns (gate_up packed [num_packed, 2I], kept for
+    backward, and h [R, I]).
 
     a_rows: the rows already gathered (or, at EP, pulled from their owners); x is then not read.
     """
     a_rows = gather(x, schedule) if a_rows is None else a_rows
     gate_up = grouped_mm(a_rows, torch.cat([w_gate, w_up], dim=1), schedule)
-    return gate_up, swiglu(gate_up, swiglu_limit)
+    return gate_up[packed_rows(schedule)], swiglu(gate_up, swiglu_limit)
 
 
 def down(h, w_down, schedule: Schedule):
@@ -131,9 +133,12 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
 
     d_router_weights[t, j] = <d_y[t], expert_out[row]> = <d_y_row @ w_down, h>: a per-row dot of
     the unscaled down dgrad with h, so expert outputs are never kept for backward.
+    gate_up: packed [num_packed, 2I], as gate_up_swiglu keeps it.
     Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I] for the w_down gradient, d_rw_rows [R] fp32).
     """
     acc = accumulator_dtype(gate_up.dtype)
+    index = packed_index(schedule).to(torch.int64)[:, None]
+    gate_up = torch.where(index >= 0, gate_up[index.clamp(min=0).squeeze(1)], 0)  # back to rows [R, 2I]
     d_h_raw = grouped_mm(d_y_rows, w_down.transpose(1, 2), schedule).to(acc)
     gate, up, sig = _swiglu_parts(gate_up, swiglu_limit)
     silu = gate * sig

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_routing, requires_cuda
-from serval.schedule import build_schedule, capacity_rows, dense_schedule
+from serval.schedule import build_schedule, capacity_rows, dense_schedule, packed_index, packed_rows
 
 
 def check_schedule(ids, num_experts, block_m):
@@ -36,7 +36,19 @@ def check_schedule(ids, num_experts, block_m):
             assert e == -1
         else:
             assert offsets[e] <= start < offsets[e + 1]
+    check_packing(s, expected_packed=num_tokens * top_k)
     return s
+
+
+def check_packing(s, expected_packed):
+    """Packed rows: the used rows in row order, numbered 0, 1, ...; packed_rows inverts packed_index."""
+    assert s.num_packed == expected_packed
+    index, rows = packed_index(s).cpu(), packed_rows(s).cpu()
+    used = (s.row_source >= 0).cpu()
+    assert (index[~used] == -1).all()
+    assert torch.equal(index[used], torch.arange(int(used.sum()), dtype=index.dtype))
+    assert rows.shape == (s.num_packed,)
+    assert torch.equal(rows[: int(used.sum())], used.nonzero().squeeze(1))
 
 
 @pytest.mark.parametrize("kind", ["random", "skewed", "empty"])
@@ -64,6 +76,7 @@ def test_dense_schedule():
     s = dense_schedule(10, 8, "cpu")
     assert s.capacity == 16 and s.row_source.tolist() == list(range(10)) + [-1] * 6
     assert s.tile_expert.tolist() == [0, 0]
+    check_packing(s, expected_packed=10)
 
 
 @requires_cuda
@@ -94,6 +107,7 @@ def test_local_schedules_partition_the_group_schedule():
         assert (local.row_source[used:] == -1).all()
         owner_expert = ids.reshape(-1)[local.row_source[:used].clamp(min=0).long()] // experts_per_rank
         assert (owner_expert[local.row_source[:used] >= 0] == rank).all()
+        check_packing(local, expected_packed=min(capacity, ids.numel()))  # at EP: the capacity, or fewer
     # the ranks' rows, in rank order, are the group's rows: the same order as EP=1
     assert torch.equal(torch.cat(rows), group.row_source[: int(group.expert_offsets[-1])])
     # skewed routing (every token's first slot on expert 0) does not fit a balanced capacity

@@ -19,19 +19,22 @@ constexpr switches select the variant, so the compiler specialises each use:
   K against w1, into one accumulator (gate_up_dgrad: d_gate @ w_gate + d_up @ w_up).
 * EPILOGUE: "store" (plain bf16 store), "swiglu_fwd" (two accumulators, gate from w0
   and up from w1, stores gate_up and h = silu(gate) * up), "swiglu_bwd" (the down
-  dgrad fused with the SwiGLU backward and the router-weight gradient).
+  dgrad fused with the SwiGLU backward and the router-weight gradient). gate_up, kept
+  for backward, is stored in packed rows (no padding rows; `serval.schedule.packed_index`)
+  and read back from them: row-scattered, so always through pointers.
 * USE_TMA: tensor descriptors (`tl.make_tensor_descriptor`, Hopper TMA) for the weights,
   a materialised A and the outputs; otherwise masked pointer loads/stores (the fallback
   for tensors TMA cannot address, i.e. rows or halves not 16-byte aligned, and a variant
   worth timing). Both paths run in Triton 3.9's interpreter.
 * HAS_LIMIT: the SwiGLU clamps (swiglu_limit). EPI_SPLIT: the epilogue works on 1, 2
   or 4 column chunks of the tile (fewer live registers, smaller store staging).
-  EPI_TMA_STORES / EPI_TMA_LOADS: the epilogue's stores and swiglu_bwd's gate/up reads
-  through TMA or through pointers. The kernel is not warp-specialised, so the epilogue is
-  not overlapped with MMA work: a TMA load there is a full memory round trip the warps
-  wait out (Triton waits right where it is issued), and each TMA store waits for the one
-  before it to leave the shared staging buffer. Pointer loads of chunk c + 1 stay in flight
-  while chunk c is computed, and pointer stores are fire-and-forget.
+  EPI_TMA_STORES: the epilogue's row-aligned stores (c, h) through TMA or through pointers.
+  The kernel is not warp-specialised, so the epilogue is not overlapped with MMA work: each
+  TMA store waits for the one before it to leave the shared staging buffer, and a TMA load
+  there would be a full memory round trip the warps wait out (Triton waits right where it
+  is issued; measured 2.16 vs 1.62 ms for the kimi-k2 dgrad), while pointer loads of chunk
+  c + 1 (the packed gate/up reads) stay in flight while chunk c is computed, and pointer
+  stores are fire-and-forget.
   FLATTEN: let the pipeliner overlap a tile's epilogue with the next tile's loads.
   UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set it there only).
 
@@ -57,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..schedule import Schedule
+from ..schedule import Schedule, packed_index
 from . import common
 from .rows import gather as gather_rows
 
@@ -78,10 +81,8 @@ class TileConfig:
     flatten: bool = True
     # epilogue in column chunks of block_n // epi_split (1, 2 or 4)
     epi_split: int = 1
-    # the epilogue's stores through TMA (else pointer stores, which no later store waits for), and
-    # swiglu_bwd's gate/up reads through TMA (else pointer loads, which stay in flight during the math)
+    # the epilogue's row-aligned stores through TMA (else pointer stores, which no later store waits for)
     epi_tma_stores: bool = True
-    epi_tma_loads: bool = True
 
 
 # The choice, per stage (Hopper; block_m is capped at the schedule's block_m):
@@ -107,11 +108,10 @@ CONFIGS = {
         # the epilogue in 2 column chunks: 721 vs 663 (kimi-k2), 674 vs 663 (qwen3-30b-a3b)
         "down": TileConfig(128, 256, 64, epi_split=2),
         # the epilogue reads gate/up with pointer loads (chunk c + 1's in flight during chunk c's math; a TMA
-        # load is waited for where it is issued: 8 round trips a tile) and stores with pointers, 4 stages:
+        # load was waited for where it was issued: 8 round trips a tile) and stores with pointers, 4 stages:
         # 596 vs 446 TFLOP/s for the former TMA epilogue, 3 stages (kimi-k2); 419 vs 287 (qwen3-30b-a3b).
         # TMA stores: 592 / 387; 5 stages: 528 / 430; TMA loads and stores at 4 stages: 540 / 318
-        "down_dgrad_swiglu": TileConfig(128, 128, 64, num_stages=4, epi_split=4, epi_tma_loads=False,
-                                        epi_tma_stores=False),
+        "down_dgrad_swiglu": TileConfig(128, 128, 64, num_stages=4, epi_split=4, epi_tma_stores=False),
         "gate_up_dgrad": TileConfig(128, 256, 64, flatten=False),
     },
     # fp32 operands on the GPU (exact fp32 dots on the FMA units, for checks, not speed): small tiles;
@@ -207,16 +207,13 @@ def _store_tile(desc, ptr, stride, value, m0, n0, n_limit, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _load_tile(desc, ptr, stride, m0, n0, n_limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """Load a [BLOCK_M, BLOCK_N] tile at (m0, n0), zeros past column n_limit."""
-    if USE_TMA:
-        return desc.load([m0, n0])
-    else:
-        rows = m0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        ptrs = ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :]
-        return tl.load(ptrs, mask=(cols < n_limit)[None, :], other=0.0)
+def _packed_tile_ptrs(ptr, packed, col0, n0, n_limit, BLOCK_N: tl.constexpr):
+    """Pointers and mask of a [rows, BLOCK_N] tile at columns col0 + n0 of a packed [num_packed, 2 n_limit]
+    buffer: row r of the tile is packed row packed[r]; padding rows (packed -1) and columns past
+    n_limit are masked off."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    ptrs = ptr + packed.to(tl.int64)[:, None] * (2 * n_limit) + col0 + cols[None, :]
+    return ptrs, (packed >= 0)[:, None] & (cols < n_limit)[None, :]
 
 
 @triton.jit
@@ -317,22 +314,23 @@ def _grouped_gemm_kernel(
     tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
     # weights: w0 (and w1 for swiglu_fwd / K_SPLIT), [E, N_OUT, K] if W_NK else [E, K, N_OUT]
     w0_ptr, w1_ptr,
-    # outputs: c [R, N_OUT] (store) or [R, 2 N_OUT] (swiglu); h [R, N_OUT] (swiglu)
+    # outputs: c [R, N_OUT] (store), packed gate_up [num_packed, 2 N_OUT] (swiglu_fwd) or d_gate_up
+    # [R, 2 N_OUT] (swiglu_bwd); h [R, N_OUT] (swiglu)
     c_ptr, stride_c, h_ptr,
-    # swiglu_bwd inputs/outputs: gate_up [R, 2 N_OUT], router weights [N * k], d_rw partials [R, num_n_tiles]
-    gate_up_ptr, router_weights_ptr, d_rw_partial_ptr,
+    # swiglu: each row's packed index [R]; swiglu_bwd: gate_up packed [num_packed, 2 N_OUT], router weights
+    # [N * k], d_rw partials [R, num_n_tiles]
+    packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr,
     N_OUT, K, swiglu_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr,
     A_GATHER: tl.constexpr, W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, EPI_TMA_LOADS_CFG: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr,
 ):
     DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
-    SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [R, 2 N_OUT] and [R, N_OUT]
+    SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [*, 2 N_OUT] and [R, N_OUT]
     A_POINTERS: tl.constexpr = A_GATHER or not USE_TMA
     EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
-    EPI_TMA_LOADS: tl.constexpr = USE_TMA and EPI_TMA_LOADS_CFG
     EPI_TMA_STORES: tl.constexpr = USE_TMA and EPI_TMA_STORES_CFG
     dtype = w0_ptr.dtype.element_ty
 
@@ -364,24 +362,21 @@ def _grouped_gemm_kernel(
                                                 block_shape=[BLOCK_M, BLOCK_K])
         else:
             a1_desc = a0_desc
-        c0_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, N_OUT], strides=[stride_c, 1],
-                                            block_shape=[BLOCK_M, EPI_N])
-        if SWIGLU:
+        if DUAL:  # c is the packed gate_up: pointer stores only
+            c0_desc = c_ptr
+        else:
+            c0_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, N_OUT], strides=[stride_c, 1],
+                                                block_shape=[BLOCK_M, EPI_N])
+        if EPILOGUE == "swiglu_bwd":
             c1_desc = tl.make_tensor_descriptor(c_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[stride_c, 1],
                                                 block_shape=[BLOCK_M, EPI_N])
+        else:
+            c1_desc = c0_desc
+        if SWIGLU:
             h_desc = tl.make_tensor_descriptor(h_ptr, shape=[num_rows, N_OUT], strides=[N_OUT, 1],
                                                block_shape=[BLOCK_M, EPI_N])
         else:
-            c1_desc = c0_desc
             h_desc = c0_desc
-        if EPILOGUE == "swiglu_bwd":
-            g_desc = tl.make_tensor_descriptor(gate_up_ptr, shape=[num_rows, N_OUT], strides=[2 * N_OUT, 1],
-                                               block_shape=[BLOCK_M, EPI_N])
-            u_desc = tl.make_tensor_descriptor(gate_up_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[2 * N_OUT, 1],
-                                               block_shape=[BLOCK_M, EPI_N])
-        else:
-            g_desc = c0_desc
-            u_desc = c0_desc
     else:  # pointer path: the "descriptors" are unused placeholders
         w0_desc = w0_ptr
         w1_desc = w1_ptr
@@ -390,8 +385,6 @@ def _grouped_gemm_kernel(
         c0_desc = c_ptr
         c1_desc = c_ptr
         h_desc = h_ptr
-        g_desc = gate_up_ptr
-        u_desc = gate_up_ptr
 
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=FLATTEN):
         m_tile, n_tile = _tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
@@ -435,14 +428,15 @@ def _grouped_gemm_kernel(
 
         elif EPILOGUE == "swiglu_fwd":
             chunks1 = _column_chunks(acc1, BLOCK_M, BLOCK_N, EPI_SPLIT)
+            packed = tl.load(packed_ptr + rows)
             for c in tl.static_range(EPI_SPLIT):
-                # gate_up is stored rounded; h is computed from the rounded values, as the torch stage does
+                # gate_up is stored rounded (packed: kept for backward); h is computed from the rounded
+                # values, as the torch stage does
                 gate = chunks0[c].to(dtype)
                 up = chunks1[c].to(dtype)
-                _store_tile(c0_desc, c_ptr, stride_c, gate, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
-                            EPI_TMA_STORES)
-                _store_tile(c1_desc, c_ptr + N_OUT, stride_c, up, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
-                            EPI_TMA_STORES)
+                ptrs, mask = _packed_tile_ptrs(c_ptr, packed, 0, n0 + c * EPI_N, N_OUT, EPI_N)
+                tl.store(ptrs, gate, mask=mask)
+                tl.store(ptrs + N_OUT, up, mask=mask)
                 h = _swiglu_h(gate.to(tl.float32), up.to(tl.float32), swiglu_limit, HAS_LIMIT)
                 _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
                             EPI_TMA_STORES)
@@ -450,19 +444,20 @@ def _grouped_gemm_kernel(
         else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e], the unscaled d_h
             source = tl.load(row_source_ptr + rows)
             rw = tl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
-            # chunk c + 1's gate/up tiles are loaded before chunk c is computed: pointer loads
-            # (EPI_TMA_LOADS=False) stay in flight meanwhile, a TMA load is waited for where it is issued
-            g_next = _load_tile(g_desc, gate_up_ptr, stride_c, m0, n0, N_OUT, BLOCK_M, EPI_N, EPI_TMA_LOADS)
-            u_next = _load_tile(u_desc, gate_up_ptr + N_OUT, stride_c, m0, n0, N_OUT, BLOCK_M, EPI_N, EPI_TMA_LOADS)
+            # the packed gate/up of chunk c + 1 is loaded before chunk c is computed: the loads stay in
+            # flight meanwhile; padding rows read zeros
+            packed = tl.load(packed_ptr + rows)
+            ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, 0, n0, N_OUT, EPI_N)
+            g_next = tl.load(ptrs, mask=mask, other=0.0)
+            u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
             d_rw_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for c in tl.static_range(EPI_SPLIT):  # the row partials are added in column order
                 gate = g_next
                 up = u_next
                 if c + 1 < EPI_SPLIT:
-                    g_next = _load_tile(g_desc, gate_up_ptr, stride_c, m0, n0 + (c + 1) * EPI_N, N_OUT,
-                                        BLOCK_M, EPI_N, EPI_TMA_LOADS)
-                    u_next = _load_tile(u_desc, gate_up_ptr + N_OUT, stride_c, m0, n0 + (c + 1) * EPI_N, N_OUT,
-                                        BLOCK_M, EPI_N, EPI_TMA_LOADS)
+                    ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, 0, n0 + (c + 1) * EPI_N, N_OUT, EPI_N)
+                    g_next = tl.load(ptrs, mask=mask, other=0.0)
+                    u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
                 d_rw_part += _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT,
                                                c0_desc, c1_desc, h_desc, c_ptr, stride_c, h_ptr, swiglu_limit,
                                                BLOCK_M, EPI_N, HAS_LIMIT, EPI_TMA_STORES)
@@ -506,7 +501,7 @@ def _check(a: torch.Tensor, *weights: torch.Tensor):
 
 def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gather: bool, w_nk: bool,
             k_split: bool, epilogue: str, config: TileConfig, use_tma: bool | None, swiglu_limit=None,
-            gate_up=None, router_weights=None, d_rw_partial=None):
+            packed=None, gate_up=None, router_weights=None, d_rw_partial=None):
     """Launch the persistent grid for one stage; returns nothing (outputs are written in place)."""
     w0, w1 = weights[0], weights[-1]
     block_m = min(config.block_m, schedule.block_m)
@@ -514,15 +509,16 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         raise ValueError(f"tile rows {block_m} must divide the schedule's block_m {schedule.block_m}")
     if use_tma is None:
         use_tma = common.supports_tma()
-    if use_tma:
-        swiglu = epilogue != "store"
-        operands = [(w0, 0), (w1, 0), (out, 0)]
-        if swiglu:
-            operands += [(out, n_out), (h, 0)]
+    if use_tma:  # the packed gate_up (swiglu_fwd's out, swiglu_bwd's gate_up) is never a TMA operand
+        operands = [(w0, 0), (w1, 0)]
+        if epilogue == "store":
+            operands += [(out, 0)]
+        if epilogue == "swiglu_bwd":
+            operands += [(out, 0), (out, n_out)]
+        if h is not None:
+            operands += [(h, 0)]
         if not a_gather:
             operands += [(a, 0)] + ([(a, k)] if k_split else [])
-        if gate_up is not None:
-            operands += [(gate_up, 0), (gate_up, n_out)]
         use_tma = _tma_compatible(*operands)
     if use_tma and not common.INTERPRET:
         common.install_tma_allocator()
@@ -536,7 +532,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m,
         w0, w1,
         out, out.stride(0), h if h is not None else dummy,
-        gate_up if gate_up is not None else dummy,
+        packed if packed is not None else dummy, gate_up if gate_up is not None else dummy,
         router_weights if router_weights is not None else dummy,
         d_rw_partial if d_rw_partial is not None else dummy,
         n_out, k, float(swiglu_limit) if swiglu_limit is not None else 0.0,
@@ -544,8 +540,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         NUM_SMS=num_programs,
         A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
-        EPI_SPLIT=config.epi_split, EPI_TMA_LOADS_CFG=config.epi_tma_loads,
-        EPI_TMA_STORES_CFG=config.epi_tma_stores, num_warps=config.num_warps, num_stages=config.num_stages,
+        EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -558,7 +553,7 @@ FUSED_GATHER = False
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *,
                    fused_gather: bool | None = None, a_rows: torch.Tensor | None = None,
                    config: TileConfig | None = None, use_tma: bool | None = None):
-    """Gather + grouped GEMM gate/up + SwiGLU: (gate_up [R, 2I], h [R, I]).
+    """Gather + grouped GEMM gate/up + SwiGLU: (gate_up packed [num_packed, 2I], h [R, I]), as stages.
 
     fused_gather: gather x rows inside the GEMM (A_GATHER) instead of a gather kernel + TMA reads of the
     gathered rows (default FUSED_GATHER). a_rows: the already gathered rows (= rows.gather(x, schedule)).
@@ -568,13 +563,13 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
     fused = FUSED_GATHER if fused_gather is None else fused_gather
     if a_rows is None and not fused:
         a_rows = gather_rows(x, schedule)
-    gate_up = common.empty((num_rows, 2 * inter), x.dtype, x.device)
+    gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
     h = common.empty((num_rows, inter), x.dtype, x.device)
     a = a_rows if a_rows is not None else x
     _launch(a=a.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=gate_up, h=h,
             schedule=schedule, n_out=inter, k=hidden, a_gather=a_rows is None, w_nk=True, k_split=False,
             epilogue="swiglu_fwd", config=config or default_config("gate_up_swiglu", x.dtype), use_tma=use_tma,
-            swiglu_limit=swiglu_limit)
+            swiglu_limit=swiglu_limit, packed=packed_index(schedule))
     return gate_up, h
 
 
@@ -593,9 +588,13 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
                       *, config: TileConfig | None = None, use_tma: bool | None = None):
     """d_h = rw * (d_y_row @ w_down[e]), SwiGLU backward and the router-weight gradient, in one GEMM epilogue.
 
+    gate_up: packed [num_packed, 2I], as gate_up_swiglu returns it.
     Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I], d_rw_rows [R] fp32), as stages.down_dgrad_swiglu.
     """
     _check(d_y_rows, w_down, gate_up)
+    if gate_up.shape != (schedule.num_packed, 2 * w_down.shape[2]):
+        raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, "
+                         f"{2 * w_down.shape[2]}] (schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
     hidden, inter = w_down.shape[1:]
     num_rows = schedule.capacity
     config = config or default_config("down_dgrad_swiglu", gate_up.dtype)
@@ -606,7 +605,7 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     _launch(a=d_y_rows.contiguous(), weights=(w_down.contiguous(),), out=d_gate_up, h=h_weighted,
             schedule=schedule, n_out=inter, k=hidden, a_gather=False, w_nk=False, k_split=False,
             epilogue="swiglu_bwd", config=config, use_tma=use_tma, swiglu_limit=swiglu_limit,
-            gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous().view(-1).float(),
+            packed=packed_index(schedule), gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous().view(-1).float(),
             d_rw_partial=d_rw_partial)
     d_rw_rows = common.empty((num_rows,), torch.float32, gate_up.device)
     block_r = 128
