@@ -39,7 +39,8 @@ two barriers. --link-gbps (default 450, H200 NVLink per direction) is printed be
 
 Records appended by rank 0 to --out (default benchmarks/results/h200x<P>_ep.json): {shape, impl, scope, pass,
 ep, ms, tflops, stage_ms, dispatch_gbps, combine_gbps, link_gbps, rel_err, rel_errs, saved_mem_gib,
-peak_mem_gib, error, date, gpus, torch, triton}. ms: median over --iters calls after --warmup, the largest
+peak_mem_gib, error, soak_s, date, gpus, torch, triton}. ms: median over --iters calls after --warmup and
+--soak seconds of sustained load (the GPUs at their power cap, as bench_layer.py times them), the largest
 over the ranks; tflops: SPEC.md's FLOPs per GPU (fwd 6*(N + N*k)*H*I for layer, 6*N*k*H*I for routed,
 fwdbwd 3x) over ms; memory: GiB on the GPU, largest over the ranks. A rank that raises leaves its peers
 inside a collective, so an error ends the run (torchrun stops every rank); records are saved after each
@@ -253,6 +254,16 @@ def serval_stage_times(p, topk_ids, group, args, device):
     return dict(stage_ms=stage_ms, dispatch_gbps=dispatch_gbps, combine_gbps=combine_gbps, link_gbps=args.link_gbps)
 
 
+def soak(fn, seconds, device):
+    """Keep the GPUs busy with fn() for about `seconds` (bench_layer.time_ms's soak), with the same number of
+    calls on every rank: fn holds collectives."""
+    if seconds <= 0 or device.type != "cuda":
+        return
+    one_call_ms = group_max([time_ms(fn, 0, 1, device)], device)[0]
+    for _ in range(int(seconds * 1e3 / max(one_call_ms, 1e-3))):
+        fn()
+
+
 # -----------------------------------------------------------------------------
 
 
@@ -276,7 +287,7 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
     for ps in passes:
         rec = dict(shape=shape_name, impl=name, scope=scope, **{"pass": ps}, ep=group.size(), ms=None, tflops=None,
                    stage_ms=None, dispatch_gbps=None, combine_gbps=None, link_gbps=None, rel_err=err, rel_errs=errs,
-                   saved_mem_gib=None, peak_mem_gib=None, error=None, **info)
+                   saved_mem_gib=None, peak_mem_gib=None, error=None, soak_s=args.soak, **info)
         records.append(rec)
         if not err <= args.tol:
             log(f"{tag} {ps:<6} MISMATCH (rel_err {err:.2e} > tol {args.tol}): not timed")
@@ -284,6 +295,7 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
             continue
         fn = bench_layer.pass_fn(impl, p, topk_ids, dy, ps)
         dist.barrier()
+        soak(fn, args.soak, device)
         rec["ms"] = group_max([time_ms(fn, args.warmup, args.iters, device)], device)[0]
         rec["tflops"] = flops(shape, scope, ps) / (rec["ms"] * 1e-3) / 1e12
         mem = ""
@@ -328,6 +340,8 @@ def main():
     parser.add_argument("--passes", default=",".join(PASSES))
     parser.add_argument("--warmup", type=int, default=None, help="default 10 (2 with --tiny)")
     parser.add_argument("--iters", type=int, default=None, help="default 50 (5 with --tiny)")
+    parser.add_argument("--soak", type=float, default=None,
+                        help="seconds of sustained load before each timed loop, CUDA (default 2, 0 with --tiny)")
     parser.add_argument("--tol", type=float, default=3e-2, help="largest rel. error vs nccl_a2a that is timed")
     parser.add_argument("--link-gbps", type=float, default=450.0,
                         help="link rate per GPU and direction, GB/s (H200 NVLink: 450; see nvidia-smi nvlink -s)")
@@ -341,6 +355,7 @@ def main():
     args = parser.parse_args()
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
     args.iters = args.iters if args.iters is not None else (5 if args.tiny else 50)
+    args.soak = args.soak if args.soak is not None else (0.0 if args.tiny else 2.0)
     if args.report_only:
         if args.out is None:
             parser.error("--report-only needs --out")

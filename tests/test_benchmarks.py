@@ -12,9 +12,9 @@ from conftest import CUDA
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def run_script(name, *args):
-    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, name), *args], capture_output=True, text=True,
-                            timeout=600)
+def run_script(name, *args, launcher=()):
+    result = subprocess.run([sys.executable, *launcher, os.path.join(BENCHMARKS, name), *args], capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -34,3 +34,12 @@ def test_bench_layer_tiny(tmp_path):
 @pytest.mark.skipif(CUDA, reason="--tiny runs the kernels in the CPU interpreter")
 def test_kernel_stages_tiny():
     assert "all within rel err" in run_script("kernel_stages.py", "--tiny")
+
+
+def test_bench_ep_tiny(tmp_path):
+    """Two gloo processes on the CPU (torchrun), serval's EP layer against NCCL-style all_to_all + grouped_mm."""
+    out = tmp_path / "records.json"
+    run_script("bench_ep.py", "--tiny", "--out", str(out),
+               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    records = json.load(open(out))
+    assert {r["impl"] for r in records} >= {"serval"} and all(r["error"] is None and r["ms"] > 0 for r in records)
