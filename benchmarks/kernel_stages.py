@@ -262,7 +262,7 @@ def compile_only(selected=None) -> None:
             signature = {name: "constexpr" for name in fn.arg_names}
             signature.update(pointers, **{name: "i32" for name in ints}, swiglu_limit="fp32")
             constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                             NUM_SMS=132, A_GATHER=False, HAS_LIMIT=True, USE_TMA=True, UPCAST=False,
+                             NUM_PROGRAMS=132, A_GATHER=False, HAS_LIMIT=True, USE_TMA=True, UPCAST=False,
                              FLATTEN=cfg.flatten, EPI_SPLIT=cfg.epi_split,
                              EPI_TMA_STORES_CFG=cfg.epi_tma_stores, **switches)
             attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}

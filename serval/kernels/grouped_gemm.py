@@ -38,11 +38,14 @@ constexpr switches select the variant, so the compiler specialises each use:
   FLATTEN: let the pipeliner overlap a tile's epilogue with the next tile's loads.
   UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set it there only).
 
-Persistent: the grid is one program per SM; program p takes tiles p, p + NUM_SMS, ...
-of the used tiles only. The used-tile count is read on the device
-(expert_offsets[E] // BLOCK_M): no host sync, idle capacity costs nothing. Tiles are
-visited GROUP_M M-tiles at a time across all N-tiles, so the SMs working at once share
-weight tiles (one expert's) and A tiles in L2.
+Persistent: the grid is one program per SM (NUM_PROGRAMS of them, fewer when the capacity
+has fewer tiles); program p takes tiles p, p + NUM_PROGRAMS, ... of the used tiles only.
+The used-tile count is read on the device (expert_offsets[E] // BLOCK_M): no host sync,
+idle capacity costs nothing. Tiles are visited GROUP_M M-tiles at a time across all
+N-tiles, so the SMs working at once share weight tiles (one expert's) and A tiles in L2.
+Two programs per SM (128x128 tiles in half the shared memory and registers, so that one's
+epilogue could run during the other's MMAs) measured slower on the H200 in every stage
+(kimi-k2: dgrad 1.62 vs 1.58 ms, gate/up dgrad 2.89 vs 2.64; 2026-11-29, do_bench).
 
 Determinism: every output element is written by exactly one program, the K loop runs
 in one fixed order, no atomics; the router-weight gradient is reduced over N-tiles in a
@@ -322,7 +325,7 @@ def _grouped_gemm_kernel(
     packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr,
     N_OUT, K, swiglu_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
     A_GATHER: tl.constexpr, W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
     EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr,
@@ -386,7 +389,7 @@ def _grouped_gemm_kernel(
         c1_desc = c_ptr
         h_desc = h_ptr
 
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=FLATTEN):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         m_tile, n_tile = _tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
         m0 = m_tile * BLOCK_M
         n0 = n_tile * BLOCK_N
@@ -537,7 +540,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         d_rw_partial if d_rw_partial is not None else dummy,
         n_out, k, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        NUM_SMS=num_programs,
+        NUM_PROGRAMS=num_programs,
         A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
         EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, num_warps=config.num_warps, num_stages=config.num_stages,
