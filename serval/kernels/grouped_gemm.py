@@ -44,8 +44,9 @@ The used-tile count is read on the device (expert_offsets[E] // BLOCK_M): no hos
 idle capacity costs nothing. Tiles are visited GROUP_M M-tiles at a time across all
 N-tiles, so the SMs working at once share weight tiles (one expert's) and A tiles in L2.
 Two programs per SM (128x128 tiles in half the shared memory and registers, so that one's
-epilogue could run during the other's MMAs) measured slower on the H200 in every stage
-(kimi-k2: dgrad 1.62 vs 1.58 ms, gate/up dgrad 2.89 vs 2.64; 2026-11-29, do_bench).
+epilogue could run during the other's MMAs; a one-off variant, not kept) measured slower or
+even on the H200 (2026-11-29, do_bench): kimi-k2 dgrad 1.62 vs 1.58 ms, gate/up dgrad
+2.89 vs 2.64; qwen3-30b-a3b gate/up dgrad 1.21 vs 1.22.
 
 Determinism: every output element is written by exactly one program, the K loop runs
 in one fixed order, no atomics; the router-weight gradient is reduced over N-tiles in a
