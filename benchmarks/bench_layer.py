@@ -283,6 +283,7 @@ class GpuMonitor:
 
     window(seconds) gives the medians over the last `seconds` (at least 0.5) before now: called right
     after a timed loop's final sync, the clock and power the loop (and the end of its soak) ran at.
+    The GPU is named by torch's device index, which is nvidia-smi's unless CUDA_VISIBLE_DEVICES reorders.
     """
 
     def __init__(self, device):
