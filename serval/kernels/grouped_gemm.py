@@ -211,12 +211,12 @@ def _store_tile(desc, ptr, stride, value, m0, n0, n_limit, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _packed_tile_ptrs(ptr, packed, col0, n0, n_limit, BLOCK_N: tl.constexpr):
-    """Pointers and mask of a [rows, BLOCK_N] tile at columns col0 + n0 of a packed [num_packed, 2 n_limit]
-    buffer: row r of the tile is packed row packed[r]; padding rows (packed -1) and columns past
-    n_limit are masked off."""
+def _packed_tile_ptrs(ptr, packed, n0, n_limit, BLOCK_N: tl.constexpr):
+    """Pointers and mask of the gate half's [rows, BLOCK_N] tile at column n0 of a packed [num_packed,
+    2 n_limit] gate_up (+ n_limit: the up half): row r of the tile is packed row packed[r]; padding rows
+    (packed -1) and columns past n_limit are masked off."""
     cols = n0 + tl.arange(0, BLOCK_N)
-    ptrs = ptr + packed.to(tl.int64)[:, None] * (2 * n_limit) + col0 + cols[None, :]
+    ptrs = ptr + packed.to(tl.int64)[:, None] * (2 * n_limit) + cols[None, :]
     return ptrs, (packed >= 0)[:, None] & (cols < n_limit)[None, :]
 
 
@@ -438,7 +438,7 @@ def _grouped_gemm_kernel(
                 # values, as the torch stage does
                 gate = chunks0[c].to(dtype)
                 up = chunks1[c].to(dtype)
-                ptrs, mask = _packed_tile_ptrs(c_ptr, packed, 0, n0 + c * EPI_N, N_OUT, EPI_N)
+                ptrs, mask = _packed_tile_ptrs(c_ptr, packed, n0 + c * EPI_N, N_OUT, EPI_N)
                 tl.store(ptrs, gate, mask=mask)
                 tl.store(ptrs + N_OUT, up, mask=mask)
                 h = _swiglu_h(gate.to(tl.float32), up.to(tl.float32), swiglu_limit, HAS_LIMIT)
@@ -451,7 +451,7 @@ def _grouped_gemm_kernel(
             # the packed gate/up of chunk c + 1 is loaded before chunk c is computed: the loads stay in
             # flight meanwhile; padding rows read zeros
             packed = tl.load(packed_ptr + rows)
-            ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, 0, n0, N_OUT, EPI_N)
+            ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0, N_OUT, EPI_N)
             g_next = tl.load(ptrs, mask=mask, other=0.0)
             u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
             d_rw_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -459,7 +459,7 @@ def _grouped_gemm_kernel(
                 gate = g_next
                 up = u_next
                 if c + 1 < EPI_SPLIT:
-                    ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, 0, n0 + (c + 1) * EPI_N, N_OUT, EPI_N)
+                    ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0 + (c + 1) * EPI_N, N_OUT, EPI_N)
                     g_next = tl.load(ptrs, mask=mask, other=0.0)
                     u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
                 d_rw_part += _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT,
