@@ -287,7 +287,7 @@ class GpuMonitor:
     """
 
     def __init__(self, device):
-        self.samples, self.proc = [], None
+        self.proc = None
         if device.type != "cuda" or not shutil.which("nvidia-smi"):
             return
         self.file = tempfile.TemporaryFile("w+")
