@@ -46,7 +46,12 @@ N-tiles, so the SMs working at once share weight tiles (one expert's) and A tile
 Two programs per SM (128x128 tiles in half the shared memory and registers, so that one's
 epilogue could run during the other's MMAs; a one-off variant, not kept) measured slower or
 even on the H200 (2026-11-29, do_bench): kimi-k2 dgrad 1.62 vs 1.58 ms, gate/up dgrad
-2.89 vs 2.64; qwen3-30b-a3b gate/up dgrad 1.21 vs 1.22.
+2.89 vs 2.64; qwen3-30b-a3b gate/up dgrad 1.21 vs 1.22. Also tried and not kept (H200, Triton
+3.6, sustained load): Triton's automatic warp specialisation (`tl.range(warp_specialize=True)`)
+compiles for sm_90 only with 4 warps and an unsplit epilogue, and then gave wrong results (relative
+error ~1 or NaN) at half the speed; issuing the dgrad epilogue's first gate/up loads before the
+K loop (to hide their latency; needs flatten off against spills): 1.89 vs 1.82 ms kimi-k2, 1.20
+vs 1.09 qwen3-30b-a3b.
 
 Determinism: every output element is written by exactly one program, the K loop runs
 in one fixed order, no atomics; the router-weight gradient is reduced over N-tiles in a
@@ -103,12 +108,13 @@ class TileConfig:
 # benchmarks/kernel_stages.py times the alternatives on the H200; change an entry only with its numbers.
 CONFIGS = {
     "hopper": {
-        # H200, 2026-11-29 (benchmarks/kernel_stages.py, gather kernel + TMA GEMM): 4 stages 707 vs 636
-        # TFLOP/s with 3 on kimi-k2, 606 vs 551 on qwen3-30b-a3b. Pointer stores (gate, up and h no longer
-        # wait on each other's TMA store), GEMM alone: 731 vs 653 (kimi-k2), 659 vs 600 (qwen3-30b-a3b) in
-        # one run, 655 vs 670 and 598 vs 606 in a later one on another lease: within this GEMM's
-        # run-to-run spread; the layer's forward moved -3% to +2% by shape. Kept, not proven.
-        "gate_up_swiglu": TileConfig(128, 128, 64, num_stages=4, flatten=False, epi_tma_stores=False),
+        # H200, 2026-11-29: pointer stores (gate, up and h no longer wait on each other's TMA store), GEMM
+        # alone: 731 vs 653 TFLOP/s (kimi-k2), 659 vs 600 (qwen3-30b-a3b) in one burst run, even in a later
+        # one. 3 stages, not 4: under sustained load (the power cap) 3 was ahead in both kernel_stages --soak
+        # runs (kimi-k2 3.01 / 3.03 vs 3.08 / 3.10 ms, qwen3-30b-a3b 1.47 / 1.50 vs 1.48 / 1.58) and in the
+        # whole layer, two interleaved runs each (results/h200_layer_variants.txt: routed forward+backward
+        # 14.97 vs 15.15 ms kimi-k2, 7.59 vs 7.66 qwen3-30b-a3b), though 4 won do_bench bursts (707 vs 636).
+        "gate_up_swiglu": TileConfig(128, 128, 64, num_stages=3, flatten=False, epi_tma_stores=False),
         # the epilogue in 2 column chunks: 721 vs 663 (kimi-k2), 674 vs 663 (qwen3-30b-a3b)
         "down": TileConfig(128, 256, 64, epi_split=2),
         # the epilogue reads gate/up with pointer loads (chunk c + 1's in flight during chunk c's math; a TMA
