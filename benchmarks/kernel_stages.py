@@ -46,7 +46,7 @@ TINY_SHAPES = {"tiny": dict(hidden=64, inter=48, experts=4, top_k=2, tokens=40)}
 T = gg.TileConfig
 # variants timed besides each stage's default (CONFIGS); tiny runs use small tiles
 GPU_VARIANTS = {
-    "gate_up_swiglu": {"3 stages": T(128, 128, 64, flatten=False, epi_tma_stores=False),
+    "gate_up_swiglu": {"4 stages": T(128, 128, 64, num_stages=4, flatten=False, epi_tma_stores=False),
                        "TMA stores": T(128, 128, 64, num_stages=4, flatten=False)},
     "down": {"epi1": T(128, 256, 64), "pointer stores": T(128, 256, 64, epi_split=2, epi_tma_stores=False),
              "128x128 s4": T(128, 128, 64, num_stages=4)},
