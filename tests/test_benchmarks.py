@@ -43,3 +43,9 @@ def test_bench_ep_tiny(tmp_path):
                launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
     records = json.load(open(out))
     assert {r["impl"] for r in records} >= {"serval"} and all(r["error"] is None and r["ms"] > 0 for r in records)
+
+
+def test_pingpong_probe():
+    """On the CPU it imports and declines; on an H200 it checks the Gluon kernel bitwise against serval's down."""
+    out = run_script("pingpong_probe.py", "--shapes", "qwen3-30b-a3b", "--soak", "0.1")
+    assert "not run" in out or ("bitwise equal" in out and "MISMATCH" not in out)
