@@ -1,4 +1,5 @@
-"""What every Triton kernel module shares: interpreter detection, the TMA allocator, SM count, output allocation.
+"""What every Triton kernel module shares: interpreter detection, the TMA allocator, SM count, output
+allocation, the persistent grouped GEMMs' tile order.
 
 Under TRITON_INTERPRET=1 (CPU CI) kernels run on numpy, where bf16 `tl.dot` is
 wrong (ENVIRONMENT.md): kernels take `UPCAST=INTERPRET` and upcast dot operands
@@ -12,6 +13,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -49,3 +51,15 @@ def install_tma_allocator() -> None:
     autograd's own thread, where a setting made in the main thread is not seen.
     """
     triton.set_allocator(_tma_workspace)
+
+
+@triton.jit
+def tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M consecutive M-tiles sweep all N-tiles before the next group, so the SMs
+    working at once share weight tiles (one expert's) and A tiles in L2. Also called from Gluon kernels."""
+    tiles_per_group = GROUP_M * num_n_tiles
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    group_size = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    m_tile = first_m + (tile_id % tiles_per_group) % group_size
+    n_tile = (tile_id % tiles_per_group) // group_size
+    return m_tile, n_tile

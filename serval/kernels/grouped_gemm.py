@@ -71,6 +71,7 @@ import triton.language as tl
 
 from ..schedule import Schedule, packed_index
 from . import common
+from . import warp_specialized as warp_specialized_kernel
 from .rows import gather as gather_rows
 
 # ---------------------------------------------------------------- configuration
@@ -145,17 +146,6 @@ def default_config(stage: str, dtype: torch.dtype = torch.bfloat16) -> TileConfi
 
 
 # ---------------------------------------------------------------- kernel pieces
-
-
-@triton.jit
-def _tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M consecutive M-tiles sweep all N-tiles before the next group."""
-    tiles_per_group = GROUP_M * num_n_tiles
-    first_m = (tile_id // tiles_per_group) * GROUP_M
-    group_size = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    m_tile = first_m + (tile_id % tiles_per_group) % group_size
-    n_tile = (tile_id % tiles_per_group) // group_size
-    return m_tile, n_tile
 
 
 @triton.jit
@@ -397,7 +387,7 @@ def _grouped_gemm_kernel(
         h_desc = h_ptr
 
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        m_tile, n_tile = _tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
+        m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
         m0 = m_tile * BLOCK_M
         n0 = n_tile * BLOCK_N
         expert = tl.load(tile_expert_ptr + m0 // sched_block_m)
@@ -594,12 +584,23 @@ def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use
     return out
 
 
+# The down dgrad on the ping-pong kernel (serval.kernels.warp_specialized) where it takes the operands: off.
+# Bitwise equal, but slower on the H200 under sustained load (2026-11-29, benchmarks/kernel_pingpong.py):
+# qwen3-30b-a3b 1.32 vs 1.07-1.12 ms, kimi-k2 2.01-2.06 vs 1.97-2.02 (warp_specialized's docstring says why).
+WARP_SPECIALIZED = False
+
+
 def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None,
-                      *, config: TileConfig | None = None, use_tma: bool | None = None):
+                      *, config: TileConfig | None = None, use_tma: bool | None = None,
+                      warp_specialized: bool | None = None):
     """d_h = rw * (d_y_row @ w_down[e]), SwiGLU backward and the router-weight gradient, in one GEMM epilogue.
 
     gate_up: packed [num_packed, 2I], as gate_up_swiglu returns it.
     Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I], d_rw_rows [R] fp32), as stages.down_dgrad_swiglu.
+    warp_specialized: run the GEMM on `warp_specialized`'s ping-pong kernel (its epilogue overlaps the other
+    consumer's MMAs); default: wherever it takes the operands (sm_90, bf16, TMA-aligned, H % 64 == 0) and
+    neither config nor use_tma asks for this kernel's variants. Same d_gate_up and h_weighted bit for bit;
+    d_rw_rows within float rounding (its row sums run in another register layout), each deterministic.
     """
     _check(d_y_rows, w_down, gate_up)
     if gate_up.shape != (schedule.num_packed, 2 * w_down.shape[2]):
@@ -607,6 +608,14 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
                          f"{2 * w_down.shape[2]}] (schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
     hidden, inter = w_down.shape[1:]
     num_rows = schedule.capacity
+    router_weights = router_weights.contiguous().view(-1).float()
+    if warp_specialized is None:
+        warp_specialized = WARP_SPECIALIZED and config is None and use_tma is None and warp_specialized_kernel.takes(
+            schedule, d_y_rows, w_down, gate_up, k=hidden)
+    if warp_specialized:
+        d_gate_up, h_weighted, d_rw_partial = warp_specialized_kernel.down_dgrad_swiglu_partials(
+            d_y_rows.contiguous(), w_down.contiguous(), gate_up.contiguous(), router_weights, schedule, swiglu_limit)
+        return d_gate_up, h_weighted, _sum_partials(d_rw_partial, schedule)
     config = config or default_config("down_dgrad_swiglu", gate_up.dtype)
     num_n_tiles = triton.cdiv(inter, config.block_n)
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
@@ -615,14 +624,20 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     _launch(a=d_y_rows.contiguous(), weights=(w_down.contiguous(),), out=d_gate_up, h=h_weighted,
             schedule=schedule, n_out=inter, k=hidden, a_gather=False, w_nk=False, k_split=False,
             epilogue="swiglu_bwd", config=config, use_tma=use_tma, swiglu_limit=swiglu_limit,
-            packed=packed_index(schedule), gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous().view(-1).float(),
+            packed=packed_index(schedule), gate_up=gate_up.contiguous(), router_weights=router_weights,
             d_rw_partial=d_rw_partial)
-    d_rw_rows = common.empty((num_rows,), torch.float32, gate_up.device)
+    return d_gate_up, h_weighted, _sum_partials(d_rw_partial, schedule)
+
+
+def _sum_partials(d_rw_partial, schedule: Schedule):
+    """d_rw_rows [R] fp32: each row's partials summed over its N-tiles in ascending order."""
+    num_rows, num_n_tiles = d_rw_partial.shape
+    d_rw_rows = common.empty((num_rows,), torch.float32, d_rw_partial.device)
     block_r = 128
     _sum_partials_kernel[(triton.cdiv(num_rows, block_r),)](
         d_rw_partial, d_rw_rows, schedule.expert_offsets, schedule.num_experts, num_rows, num_n_tiles,
         BLOCK_R=block_r)
-    return d_gate_up, h_weighted, d_rw_rows
+    return d_rw_rows
 
 
 def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, config: TileConfig | None = None,

@@ -1,0 +1,115 @@
+"""Check and time the warp-specialised ping-pong grouped GEMM (serval.kernels.warp_specialized) against
+serval's one-role Triton kernel (serval.kernels.grouped_gemm), stage by stage, on the H200.
+
+    python benchmarks/kernel_pingpong.py [--soak 1] [--shapes qwen3-30b-a3b kimi-k2]   # sm_90, Triton 3.6
+
+Checks first, on small cases that put several tiles on each program and consumer (three experts, a ring
+shorter than the K loop, a tile of padding rows) and then on each SPEC shape: the ping-pong `down` and the
+dgrad's d_gate_up / h_weighted must equal the Triton kernel's bit for bit (same fp32 accumulation order, same
+epilogue operations); the router-weight gradient within float rounding (its row sums run in another register
+layout). Then times both kernels of each stage (bench_layer's sustained-load protocol with --soak). Prints
+"not run" where the ping-pong kernel is not available (no sm_90 GPU, another Triton release).
+"""
+import argparse
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from serval.kernels import grouped_gemm as gg  # noqa: E402
+from serval.kernels import warp_specialized as ws  # noqa: E402
+
+
+def dgrad_inputs(schedule, hidden, inter, num_tokens, top_k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    randn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+    return (randn(schedule.capacity, hidden), randn(schedule.num_experts, hidden, inter, scale=inter**-0.5),
+            randn(schedule.num_packed, 2 * inter), torch.rand(num_tokens * top_k, generator=g, device="cuda"),
+            schedule)
+
+
+def compare_dgrad(args, limit):
+    """(bitwise d_gate_up and h_weighted, d_rw relative error) over the used rows."""
+    schedule = args[-1]
+    used = schedule.row_source >= 0
+    got = gg.down_dgrad_swiglu(*args, limit, warp_specialized=True)
+    ref = gg.down_dgrad_swiglu(*args, limit, warp_specialized=False)
+    same = all(torch.equal(a[used], b[used]) for a, b in zip(got[:2], ref[:2]))
+    d_rw_err = ((got[2][used] - ref[2][used]).norm() / ref[2][used].norm()).item()
+    return same, d_rw_err
+
+
+def check_small():
+    from serval.schedule import build_schedule
+
+    torch.manual_seed(0)
+    E, H, I, N, k = 3, 256, 384, 200, 2
+    topk = torch.stack([torch.arange(N, device="cuda") % E, (torch.arange(N, device="cuda") + 1) % E], 1)
+    schedule = build_schedule(topk, E, 128)
+    used = schedule.row_source >= 0
+    h = torch.randn(schedule.capacity, I, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(E, H, I, device="cuda") * I**-0.5).to(torch.bfloat16)
+    ref = gg.down(h, w, schedule)[used]
+    ok = True
+    for kw in (dict(stages=2), dict(stages=3), dict(stages=4)):
+        same = torch.equal(ws.down(h, w, schedule, **kw)[used], ref)
+        print(f"small down {kw}: {'bitwise equal' if same else 'MISMATCH'}")
+        ok &= same
+    args = dgrad_inputs(schedule, H, I, N, k)
+    for limit in (None, 0.5):
+        same, err = compare_dgrad(args, limit)
+        print(f"small dgrad swiglu_limit={limit}: d_gate_up, h_weighted {'bitwise equal' if same else 'MISMATCH'}, "
+              f"d_rw rel err {err:.1e}")
+        ok &= same and err < 1e-5
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "kimi-k2"])
+    parser.add_argument("--soak", type=float, default=1.0)
+    args = parser.parse_args()
+    if not ws.available():
+        print(f"kernel_pingpong: needs an sm_90 GPU and Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
+        return 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_stages import SHAPES, make_inputs, timer
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    ok = check_small()
+    run_timed = timer(False, args.soak)
+    table = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        data = make_inputs(shape, torch.device("cuda"), 128)
+        schedule = data["schedule"]
+        used = schedule.row_source >= 0
+        flops = 2 * shape["tokens"] * shape["top_k"] * shape["hidden"] * shape["inter"]
+        h = torch.randn(schedule.capacity, shape["inter"], device="cuda").to(torch.bfloat16)
+        same = torch.equal(ws.down(h, data["w_down"], schedule)[used], gg.down(h, data["w_down"], schedule)[used])
+        print(f"{name} down: {'bitwise equal' if same else 'MISMATCH'}")
+        ok &= same
+        dgrad_args = dgrad_inputs(schedule, shape["hidden"], shape["inter"], shape["tokens"], shape["top_k"])
+        same, err = compare_dgrad(dgrad_args, None)
+        print(f"{name} dgrad: d_gate_up, h_weighted {'bitwise equal' if same else 'MISMATCH'}, d_rw rel err {err:.1e}")
+        ok &= same and err < 1e-5
+        variants = {
+            ("down", "triton"): lambda: gg.down(h, data["w_down"], schedule),
+            ("down", "ping-pong"): lambda: ws.down(h, data["w_down"], schedule),
+            ("dgrad+swiglu", "triton"): lambda: gg.down_dgrad_swiglu(*dgrad_args, None, warp_specialized=False),
+            ("dgrad+swiglu", "ping-pong"): lambda: gg.down_dgrad_swiglu(*dgrad_args, None, warp_specialized=True),
+        }
+        for (stage, label), fn in variants.items():
+            ms = run_timed(fn)
+            table.append(f"{name:14s} {stage:13s} {label:10s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
+            print(table[-1], flush=True)
+    print("\n".join(["", "shape          stage         kernel          ms    TFLOP/s"] + table))
+    print("all checks passed" if ok else "CHECK FAILED: MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""Warp-specialised ping-pong grouped GEMM in Gluon (Hopper, Triton 3.6): epilogues beside the MMAs.
+
+`grouped_gemm`'s Triton kernel runs each tile's epilogue between its own MMAs: while a tile's
+epilogue loads, computes and stores, that SM's tensor cores idle (Triton 3.6 has no working
+warp specialisation for it on sm_90; see grouped_gemm's docstring). This kernel is the same
+grouped GEMM over the schedule's M-tiles, written in Gluon with three warp roles per program:
+
+* a loader warp issues TMA loads of (A, W) K-tiles into a ring of STAGES shared-memory slots,
+  each guarded by a `ready` (bytes landed) and an `empty` (MMA retired) mbarrier;
+* two consumer warp groups (4 warps, 232 registers per thread each) take alternate tiles of the
+  program's list (ping-pong): one runs its epilogue while the other's wgmmas run. They run their
+  K loops in tile order (the `turn` barriers): mbarrier waits see only a phase's parity, so a
+  consumer a whole tile ahead of the ring would pass a wait meant for a later phase.
+
+Layouts: A is a row-major [R, K] buffer read through TMA. The weights are read in place as one
+2-D TMA view: W_NK ([E, N, K], the forward weights) as [E * N, K], the tile at row e * N + n0; else
+([E, K, N], the data gradients) as [E * K, N], the tile at row e * K + k. A K-tile must not reach
+into the next expert's rows, so `takes` requires K % BLOCK_K == 0 for the [E, K, N] layout; in the
+[E, N, K] layout an N-tile past N reads the next expert's rows into output columns past N, which
+the stores drop.
+
+EPILOGUE "store" (C = A @ W_e^T, the `down` GEMM): a TMA store per tile. "swiglu_bwd" (the down
+dgrad: d_h_raw = d_y_rows @ w_down[e]): the SwiGLU backward and the router-weight gradient's row
+partials, with the operations of grouped_gemm's `_swiglu_bwd_chunk`. The accumulator is staged in
+shared memory (fp32, EPI_SPLIT column chunks) and read back a chunk at a time in a blocked layout,
+8 contiguous columns per thread: computed in the wgmma layout, the chunk temporaries on top of the
+128 accumulator registers spilled kilobytes, and its 2-column pieces made 4-byte global accesses.
+The staging (64 KB per consumer) leaves room for a 3-stage ring only. The row partials are summed
+over a row's N-tiles by grouped_gemm's `_sum_partials_kernel`.
+
+Measured (H200, Triton 3.6, sustained load; benchmarks/kernel_pingpong.py, BENCHMARKS.md): `down` runs
+as fast as the Triton kernel (qwen3-30b-a3b 0.705 vs 0.719 ms, kimi-k2 1.57 vs 1.52); the dgrad is
+bitwise equal but slower (qwen3-30b-a3b 1.32 vs 1.07-1.12 ms, kimi-k2 2.01-2.06 vs 1.97-2.02), so
+grouped_gemm does not route through it (its WARP_SPECIALIZED). Why, on qwen3-30b-a3b: the same GEMM with
+a plain store takes 0.66 ms with 4 stages but 0.80 with 3; dropping the epilogue's gate/up loads gives
+0.94 ms, dropping its stores 1.10, dropping both 0.78 (the math and the staging hide behind the other
+consumer's MMAs, the global accesses do not): one warp group per epilogue (one warp per scheduler)
+waits out its loads' and stores' latency with nothing else to run. The next step is the gate/up tile
+fetched by TMA during the K loop (the packed rows of a tile are consecutive) and TMA stores, in a
+shared-memory budget that keeps 4 stages.
+
+Determinism is grouped_gemm's: one program writes each output element, the K loop has one
+order (BLOCK_K steps, wgmma), no atomics. The mbarrier waits need no time bound: every arrival
+they wait for is made unconditionally by the same program (TMA completion, a sibling warp's
+progress), as in any software-pipelined GEMM; serval's bound applies to waits on other programs
+and GPUs.
+
+Gluon is Triton's experimental layout-explicit language; its API moves between releases, so this
+module defines its kernel only under the Triton minor versions in GLUON_VERSIONS, and `available()`
+also asks for an sm_90 GPU. Gluon has no CPU interpreter: tests/test_kernels_ws.py checks this kernel
+against the Triton kernel on the H200 (skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ..schedule import Schedule, packed_index
+from . import common
+
+# the Triton releases whose Gluon API this module was written and checked against
+GLUON_VERSIONS = ("3.6",)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether this kernel can run here: an sm_90 GPU and a Triton release in GLUON_VERSIONS."""
+    if common.INTERPRET or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability()[0] != 9:
+        return False
+    return ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS
+
+
+if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language import PropagateNan
+
+    _NAN: gl.constexpr = gl.constexpr(PropagateNan.ALL)  # torch's clamp keeps NaN (PTX min/max would drop it)
+
+    @gluon.jit
+    def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
+                num_m_tiles, num_n_tiles, N_OUT, K, W_NK: gl.constexpr, GROUP_M: gl.constexpr,
+                STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        k_steps = gl.cdiv(K, BLOCK_K)
+        count = 0
+        for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+            m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
+            m0 = m_tile * BLOCK_M
+            n0 = n_tile * BLOCK_N
+            expert = gl.load(tile_expert_ptr + m0 // sched_block_m)
+            for kk in range(k_steps):
+                slot = count % STAGES
+                mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
+                if W_NK:
+                    w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
+                else:
+                    w_coords = [expert * K + kk * BLOCK_K, n0]
+                tma.async_copy_global_to_shared(w_desc, w_coords, ready.index(slot), w_bufs.index(slot))
+                count += 1
+
+    @gluon.jit
+    def _load_pre_activations(gate_up_ptr, packed, n0, N_OUT, EPI_N: gl.constexpr, layout: gl.constexpr):
+        """The packed gate and up pre-activations (bf16) of the [BLOCK_M, EPI_N] chunk at column n0; zeros on
+        padding rows and past N_OUT."""
+        cols = n0 + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, layout))
+        ptrs = gate_up_ptr + packed.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
+        mask = (packed >= 0)[:, None] & (cols < N_OUT)[None, :]
+        return gl.load(ptrs, mask=mask, other=0.0), gl.load(ptrs + N_OUT, mask=mask, other=0.0)
+
+    @gluon.jit
+    def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rows, rw, n0, N_OUT, c_ptr, h_ptr, swiglu_limit,
+                          HAS_LIMIT: gl.constexpr):
+        """grouped_gemm._swiglu_bwd_chunk on one [BLOCK_M, EPI_N] chunk in a blocked register layout (rows and
+        rw in its row slice); returns the chunk's d_rw row partials."""
+        layout: gl.constexpr = d_h_raw.type.layout
+        EPI_N: gl.constexpr = d_h_raw.shape[1]
+        dtype: gl.constexpr = c_ptr.dtype.element_ty
+        cols = n0 + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, layout))
+        col_ok = (cols < N_OUT)[None, :]
+        pre_gate = pre_gate.to(gl.float32)
+        pre_up = pre_up.to(gl.float32)
+        if HAS_LIMIT:
+            gate = gl.minimum(pre_gate, swiglu_limit, propagate_nan=_NAN)
+            up = gl.minimum(gl.maximum(pre_up, -swiglu_limit, propagate_nan=_NAN), swiglu_limit,
+                            propagate_nan=_NAN)
+        else:
+            gate = pre_gate
+            up = pre_up
+        sig = 1 / (1 + gl.exp(-gate))  # tl.sigmoid's definition: the Triton kernel's numbers exactly
+        silu = gate * sig
+        d_silu = sig * (1 + gate * (1 - sig))
+        if HAS_LIMIT:
+            d_silu = d_silu * (pre_gate <= swiglu_limit).to(gl.float32)
+        h = (silu * up).to(dtype).to(gl.float32)
+        d_rw_part = gl.sum(d_h_raw * h, axis=1)
+        d_h = d_h_raw * rw[:, None]
+        d_up = d_h * silu
+        if HAS_LIMIT:
+            d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(gl.float32)
+        out_ptrs = c_ptr + rows.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
+        gl.store(out_ptrs + N_OUT, d_up.to(dtype), mask=col_ok)
+        gl.store(out_ptrs, (d_h * up * d_silu).to(dtype), mask=col_ok)
+        gl.store(h_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], (h * rw[:, None]).to(dtype),
+                 mask=col_ok)
+        return d_rw_part
+
+    @gluon.jit
+    def _consumer(c_desc, a_bufs, w_bufs, ready, empty, turn, epi_bufs, num_tiles, num_m_tiles, num_n_tiles,
+                  N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
+                  d_rw_partial_ptr, swiglu_limit,
+                  CONSUMER: gl.constexpr, W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                  NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        # the swiglu_bwd epilogue's chunks: [BLOCK_M, EPI_N], 8 contiguous columns per thread
+        EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_N // 8), EPI_N // 8], [4, 1], [1, 0])
+        row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        seq = CONSUMER  # index of the tile in the program's list: the ring position follows from it
+        for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_tiles, 2 * NUM_PROGRAMS):
+            m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
+            m0 = m_tile * BLOCK_M
+            n0 = n_tile * BLOCK_N
+            count = seq * k_steps
+            if EPILOGUE == "swiglu_bwd":  # the epilogue's row data, loaded before the K loop
+                rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+                source = gl.load(row_source_ptr + rows)
+                rw = gl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
+                packed = gl.load(packed_ptr + rows)
+            mbarrier.wait(turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            prev_slot = 0
+            for kk in range(k_steps):
+                slot = count % STAGES
+                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+                if W_NK:
+                    b = w_bufs.index(slot).permute((1, 0))
+                else:
+                    b = w_bufs.index(slot)
+                acc = warpgroup_mma(a_bufs.index(slot), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's MMA has retired: free its slot
+                mbarrier.arrive(empty.index(prev_slot), pred=kk > 0)
+                prev_slot = slot
+                count += 1
+            mbarrier.arrive(turn.index(1 - CONSUMER))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev_slot))
+
+            if EPILOGUE == "store":
+                c_smem = epi_bufs.index(CONSUMER)
+                tma.store_wait(0)  # this consumer's previous tile has left c_smem
+                gl.thread_barrier()
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
+            else:  # "swiglu_bwd": acc = d_y_rows @ w_down[e], the unscaled d_h
+                # The accumulator goes to shared memory first (in EPI_SPLIT column chunks) and comes back one
+                # chunk at a time in a blocked layout: the 128 accumulator registers are free for the SwiGLU
+                # temporaries (kept in registers, 4 warps' 128x128 tile spilled kilobytes), and each thread's 8
+                # contiguous columns make 16-byte global loads and stores.
+                # chunk c + 1's gate/up loads are issued before chunk c is computed (chunk 0's before the
+                # staging): they stay in flight meanwhile
+                pre_next = _load_pre_activations(gate_up_ptr, packed, n0, N_OUT, EPI_N, chunk_layout)
+                chunks = _column_chunks(acc, EPI_SPLIT)
+                gl.thread_barrier()  # every warp of this consumer has read the previous tile's chunks
+                for c in gl.static_range(EPI_SPLIT):
+                    epi_bufs.index(CONSUMER * EPI_SPLIT + c).store(chunks[c])
+                gl.thread_barrier()
+                d_rw_part = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
+                for c in gl.static_range(EPI_SPLIT):  # the row partials are added in column order
+                    pre = pre_next
+                    if c + 1 < EPI_SPLIT:
+                        pre_next = _load_pre_activations(gate_up_ptr, packed, n0 + (c + 1) * EPI_N, N_OUT, EPI_N,
+                                                         chunk_layout)
+                    d_h_raw = epi_bufs.index(CONSUMER * EPI_SPLIT + c).load(chunk_layout)
+                    d_rw_part += _swiglu_bwd_chunk(d_h_raw, pre[0], pre[1], rows, rw, n0 + c * EPI_N, N_OUT, c_ptr,
+                                                   h_ptr, swiglu_limit, HAS_LIMIT)
+                gl.store(d_rw_partial_ptr + rows.to(gl.int64) * num_n_tiles + n_tile, d_rw_part)
+            seq += 2
+        if EPILOGUE == "store":
+            tma.store_wait(0)
+
+    @gluon.jit
+    def _halves(tile):
+        """(tile[:, :N // 2], tile[:, N // 2:]): a register renaming in the wgmma layout."""
+        BLOCK_M: gl.constexpr = tile.shape[0]
+        BLOCK_N: gl.constexpr = tile.shape[1]
+        return gl.split(tile.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute((0, 2, 1)))
+
+    @gluon.jit
+    def _column_chunks(tile, SPLIT: gl.constexpr):
+        """The tile as a tuple of SPLIT (1, 2 or 4) column chunks, left to right."""
+        if SPLIT == 1:
+            return (tile,)
+        elif SPLIT == 2:
+            return _halves(tile)
+        else:
+            left, right = _halves(tile)
+            left0, left1 = _halves(left)
+            right0, right1 = _halves(right)
+            return (left0, left1, right0, right1)
+
+    @gluon.jit
+    def _pingpong_kernel(a_desc, w_desc, c_desc, tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
+                         N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
+                         d_rw_partial_ptr, swiglu_limit,
+                         W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                         EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                         NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, a_desc.block_type.shape[0], a_desc.block_type.shape[1]],
+                                           a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
+                                           w_desc.layout)
+        # the consumers' epilogue staging: the bf16 output tile for its TMA store ("store"); the fp32
+        # accumulator in EPI_SPLIT column chunks ("swiglu_bwd")
+        if EPILOGUE == "store":
+            epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+        else:
+            EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
+            epi_bufs = gl.allocate_shared_memory(gl.float32, [2 * EPI_SPLIT, BLOCK_M, EPI_N],
+                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_M, EPI_N], gl.float32))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+
+        # used tiles only: the count lives on the device, no host sync
+        num_m_tiles = gl.load(expert_offsets_ptr + num_experts) // BLOCK_M
+        num_n_tiles = gl.cdiv(N_OUT, BLOCK_N)
+        num_tiles = num_m_tiles * num_n_tiles
+        gl.warp_specialize([
+            (_consumer, (c_desc, a_bufs, w_bufs, ready, empty, turn, epi_bufs, num_tiles, num_m_tiles, num_n_tiles,
+                         N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
+                         d_rw_partial_ptr, swiglu_limit, 0, W_NK, EPILOGUE, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES,
+                         NUM_PROGRAMS, BLOCK_N)),
+            (_consumer, (c_desc, a_bufs, w_bufs, ready, empty, turn, epi_bufs, num_tiles, num_m_tiles, num_n_tiles,
+                         N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
+                         d_rw_partial_ptr, swiglu_limit, 1, W_NK, EPILOGUE, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES,
+                         NUM_PROGRAMS, BLOCK_N)),
+            (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
+                       num_m_tiles, num_n_tiles, N_OUT, K, W_NK, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(shape: tuple):
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16)
+
+
+def _descriptor(t: torch.Tensor, block: list):
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block)))
+
+
+# maxnreg 168 x 12 warps fills the register file; setmaxnreg then gives the consumers 232 each, the loader 40
+_LAUNCH = dict(num_warps=4, maxnreg=168)
+
+
+def _launch(*, a, w2d, w_nk, out, schedule: Schedule, n_out: int, k: int, epilogue: str, block_n: int,
+            block_k: int, stages: int, epi_split: int = 1, group_m: int = 8, h=None, swiglu_limit=None,
+            packed=None, gate_up=None, router_weights=None, d_rw_partial=None):
+    block_m = 128
+    num_n_tiles = triton.cdiv(n_out, block_n)
+    max_tiles = (schedule.capacity // block_m) * num_n_tiles
+    num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
+    a_desc = _descriptor(a, [block_m, block_k])
+    w_desc = _descriptor(w2d, [block_n, block_k] if w_nk else [block_k, block_n])
+    c_desc = _descriptor(out, [block_m, block_n]) if epilogue == "store" else a_desc
+    dummy = out
+    _pingpong_kernel[(num_programs,)](
+        a_desc, w_desc, c_desc, schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m,
+        n_out, k, out, h if h is not None else dummy, schedule.row_source,
+        packed if packed is not None else dummy, gate_up if gate_up is not None else dummy,
+        router_weights if router_weights is not None else dummy,
+        d_rw_partial if d_rw_partial is not None else dummy,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        W_NK=w_nk, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=group_m,
+        STAGES=stages, NUM_PROGRAMS=num_programs, BLOCK_N=block_n, CONSUMER_REGS=232, LOADER_REGS=40, **_LAUNCH)
+
+
+def takes(schedule: Schedule, *tensors: torch.Tensor, k: int | None = None, block_k: int = 64) -> bool:
+    """Whether the kernel takes these operands: bf16, TMA-addressable (16-byte aligned rows and bases), whole
+    128-row tiles, and K a whole number of K-tiles where the weights are [E, K, N]."""
+    if not available() or schedule.block_m % 128:
+        return False
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or (t.shape[-1] * 2) % 16 or t.data_ptr() % 16:
+            return False
+    return k is None or k % block_k == 0
+
+
+def down(h, w_down, schedule: Schedule, *, block_n=128, block_k=64, stages=4):
+    """grouped_gemm.down (o [R, H] = h @ w_down[e].T) on the ping-pong kernel."""
+    num_experts, hidden, inter = w_down.shape
+    out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
+    _launch(a=h, w2d=w_down.view(num_experts * hidden, inter), w_nk=True, out=out, schedule=schedule,
+            n_out=hidden, k=inter, epilogue="store", block_n=block_n, block_k=block_k, stages=stages)
+    return out
+
+
+def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit,
+                               *, block_n=128, block_k=64, stages=3, epi_split=4):
+    """grouped_gemm.down_dgrad_swiglu's GEMM on the ping-pong kernel: (d_gate_up [R, 2I], h_weighted [R, I],
+    d_rw row partials [R, ceil(I / block_n)] fp32); the caller sums the partials."""
+    num_experts, hidden, inter = w_down.shape
+    num_rows = schedule.capacity
+    d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
+    h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
+    d_rw_partial = common.empty((num_rows, triton.cdiv(inter, block_n)), torch.float32, gate_up.device)
+    _launch(a=d_y_rows, w2d=w_down.view(num_experts * hidden, inter), w_nk=False, out=d_gate_up, schedule=schedule,
+            n_out=inter, k=hidden, epilogue="swiglu_bwd", block_n=block_n, block_k=block_k, stages=stages,
+            epi_split=epi_split, h=h_weighted, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
+            gate_up=gate_up, router_weights=router_weights, d_rw_partial=d_rw_partial)
+    return d_gate_up, h_weighted, d_rw_partial

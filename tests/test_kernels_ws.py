@@ -1,0 +1,58 @@
+"""serval.kernels.warp_specialized (Gluon ping-pong GEMM) against serval.kernels.grouped_gemm, on the H200:
+bit for bit over the rows that hold a (token, slot), and run to run (outputs NaN-poisoned, conftest).
+
+Gluon has no CPU interpreter: these tests skip wherever the kernel is not available (no sm_90 GPU,
+another Triton release). The Triton kernel they compare with is itself checked against the torch
+stages and the fp64 reference (test_kernels_gemm.py), on CPU and GPU.
+"""
+import pytest
+import torch
+
+from serval.kernels import grouped_gemm, warp_specialized
+from serval.schedule import build_schedule
+
+pytestmark = pytest.mark.skipif(not warp_specialized.available(),
+                                reason="needs an sm_90 GPU and a Triton release the Gluon kernel was written for")
+
+
+def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if skew:  # all tokens to expert 0 (k=1) or to experts 0..k-1; the rest get no tokens
+        topk = torch.arange(top_k, device="cuda").expand(num_tokens, top_k)
+    else:
+        topk = torch.rand(num_tokens, num_experts, generator=g, device="cuda").topk(top_k, dim=1).indices
+    schedule = build_schedule(topk, num_experts, 128)
+    randn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+    return dict(schedule=schedule, h=randn(schedule.capacity, inter), d_y_rows=randn(schedule.capacity, hidden),
+                w_down=randn(num_experts, hidden, inter, scale=inter**-0.5), gate_up=randn(schedule.num_packed, 2 * inter),
+                router_weights=torch.rand(num_tokens * top_k, generator=g, device="cuda"))
+
+
+CASES = {  # several tiles per consumer; a partial last N-tile (inter 200, hidden 320); empty experts; one token
+    "several tiles": dict(num_tokens=300, top_k=2, num_experts=3, hidden=256, inter=384),
+    "partial tiles": dict(num_tokens=97, top_k=4, num_experts=8, hidden=320, inter=200),
+    "one expert": dict(num_tokens=150, top_k=1, num_experts=4, hidden=128, inter=256, skew=True),
+    "one token": dict(num_tokens=1, top_k=2, num_experts=4, hidden=128, inter=128),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_down_bitwise(name):
+    c = case(**CASES[name])
+    used = c["schedule"].row_source >= 0
+    got = warp_specialized.down(c["h"], c["w_down"], c["schedule"])
+    assert torch.equal(got[used], grouped_gemm.down(c["h"], c["w_down"], c["schedule"])[used])
+    assert torch.equal(got[used], warp_specialized.down(c["h"], c["w_down"], c["schedule"])[used])
+
+
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("name", CASES)
+def test_down_dgrad_swiglu_bitwise(name, limit):
+    c = case(**CASES[name])
+    used = c["schedule"].row_source >= 0
+    args = (c["d_y_rows"], c["w_down"], c["gate_up"], c["router_weights"], c["schedule"], limit)
+    got = grouped_gemm.down_dgrad_swiglu(*args, warp_specialized=True)
+    ref = grouped_gemm.down_dgrad_swiglu(*args, warp_specialized=False)
+    again = grouped_gemm.down_dgrad_swiglu(*args, warp_specialized=True)
+    for a, b, a2 in zip(got, ref, again):
+        assert torch.equal(a[used], b[used]) and torch.equal(a[used], a2[used])
