@@ -584,10 +584,13 @@ def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use
     return out
 
 
-# The down dgrad on the ping-pong kernel (serval.kernels.warp_specialized) where it takes the operands: off.
-# Bitwise equal, but slower on the H200 under sustained load (2026-11-29, benchmarks/kernel_pingpong.py):
-# qwen3-30b-a3b 1.32 vs 1.07-1.12 ms, kimi-k2 2.01-2.06 vs 1.97-2.02 (warp_specialized's docstring says why).
-WARP_SPECIALIZED = False
+# The down dgrad on the ping-pong kernel (serval.kernels.warp_specialized) where it takes the operands and
+# the K loop (K = H) is long enough to hide its epilogue, whose time per tile does not depend on K. H200,
+# 2026-11-29, sustained load (benchmarks/kernel_pingpong.py; ms, Triton kernel -> ping-pong): H = 7168
+# kimi-k2 1.99 -> 1.74, deepseek-v4-pro 2.20 -> 1.86; H = 6144 glm-5 3.42 -> 2.89; H = 4096 qwen3.5-397b
+# 0.95 -> 1.03; H = 2048 qwen3-30b-a3b 1.09 -> 1.75. Bitwise the same results either way.
+WARP_SPECIALIZED = True
+WARP_SPECIALIZED_MIN_K = 6144
 
 
 def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None,
@@ -610,8 +613,8 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     num_rows = schedule.capacity
     router_weights = router_weights.contiguous().view(-1).float()
     if warp_specialized is None:
-        warp_specialized = WARP_SPECIALIZED and config is None and use_tma is None and warp_specialized_kernel.takes(
-            schedule, d_y_rows, w_down, gate_up, k=hidden)
+        warp_specialized = (WARP_SPECIALIZED and config is None and use_tma is None and hidden >= WARP_SPECIALIZED_MIN_K
+                            and warp_specialized_kernel.takes(schedule, d_y_rows, w_down, gate_up, k=hidden))
     if warp_specialized:
         d_gate_up, h_weighted, d_rw_partial = warp_specialized_kernel.down_dgrad_swiglu_partials(
             d_y_rows.contiguous(), w_down.contiguous(), gate_up.contiguous(), router_weights, schedule, swiglu_limit)

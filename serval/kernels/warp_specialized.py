@@ -21,23 +21,28 @@ the stores drop.
 
 EPILOGUE "store" (C = A @ W_e^T, the `down` GEMM): a TMA store per tile. "swiglu_bwd" (the down
 dgrad: d_h_raw = d_y_rows @ w_down[e]): the SwiGLU backward and the router-weight gradient's row
-partials, with the operations of grouped_gemm's `_swiglu_bwd_chunk`. The accumulator is staged in
-shared memory (fp32, EPI_SPLIT column chunks) and read back a chunk at a time in a blocked layout,
-8 contiguous columns per thread: computed in the wgmma layout, the chunk temporaries on top of the
-128 accumulator registers spilled kilobytes, and its 2-column pieces made 4-byte global accesses.
-The staging (64 KB per consumer) leaves room for a 3-stage ring only. The row partials are summed
-over a row's N-tiles by grouped_gemm's `_sum_partials_kernel`.
+partials, with the operations of grouped_gemm's `_swiglu_bwd_chunk`, and no global access by the
+consumer warps but the row data and the partials. The program's epilogues take turns (`epi_turn`) on
+one set of tile buffers (gate, up, h: 96 KB, beside a 4-stage ring): TMA brings the tile's packed gate
+and up in (a tile's rows that hold a source come first, with consecutive packed indices), fetched by
+the previous epilogue so that they land during this tile's K loop; the accumulator is processed in
+EPI_SPLIT column chunks of its wgmma layout (fewer live fp32 temporaries), each chunk's outputs
+overwriting its inputs in place (every thread writes the elements it read: no barrier) and filling
+h; TMA stores take the tile out. The row partials are summed over a row's N-tiles by grouped_gemm's
+`_sum_partials_kernel`, in another order than the Triton kernel's (its row sums run in another
+register layout): d_rw within float rounding of it, d_gate_up and h_weighted bit for bit.
 
-Measured (H200, Triton 3.6, sustained load; benchmarks/kernel_pingpong.py, BENCHMARKS.md): `down` runs
-as fast as the Triton kernel (qwen3-30b-a3b 0.705 vs 0.719 ms, kimi-k2 1.57 vs 1.52); the dgrad is
-bitwise equal but slower (qwen3-30b-a3b 1.32 vs 1.07-1.12 ms, kimi-k2 2.01-2.06 vs 1.97-2.02), so
-grouped_gemm does not route through it (its WARP_SPECIALIZED). Why, on qwen3-30b-a3b: the same GEMM with
-a plain store takes 0.66 ms with 4 stages but 0.80 with 3; dropping the epilogue's gate/up loads gives
-0.94 ms, dropping its stores 1.10, dropping both 0.78 (the math and the staging hide behind the other
-consumer's MMAs, the global accesses do not): one warp group per epilogue (one warp per scheduler)
-waits out its loads' and stores' latency with nothing else to run. The next step is the gate/up tile
-fetched by TMA during the K loop (the packed rows of a tile are consecutive) and TMA stores, in a
-shared-memory budget that keeps 4 stages.
+Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md, fifth session): `down` runs as fast as the
+Triton kernel. The dgrad's epilogue takes a roughly fixed time per tile (~37 us on the H200), which
+the other consumer's K loop hides when K (= H) is long: ms, Triton -> ping-pong, kimi-k2 (H 7168)
+1.99 -> 1.74, deepseek-v4-pro (7168) 2.20 -> 1.86, glm-5 (6144) 3.42 -> 2.89, but qwen3.5-397b
+(4096) 0.95 -> 1.03 and qwen3-30b-a3b (2048) 1.09 -> 1.75. grouped_gemm routes the dgrad here for
+H >= its WARP_SPECIALIZED_MIN_K. On qwen3-30b-a3b the epilogue's SwiGLU math is most of that time
+(the same kernel with trivial math: 0.86 ms); why a warp group takes ~20 us for 16K elements of it
+next to another's MMAs was not run down. Earlier versions, measured and replaced: the accumulator
+staged as fp32 in shared memory and the gate/up loads and output stores through pointers
+(1.32 ms qwen3-30b-a3b: the global accesses were not hidden, and the staging left room for 3 stages
+only); per-chunk TMA boxes with a barrier per chunk (1.73-1.89 ms).
 
 Determinism is grouped_gemm's: one program writes each output element, the K loop has one
 order (BLOCK_K steps, wgmma), no atomics. The mbarrier waits need no time bound: every arrival
@@ -116,26 +121,32 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                 count += 1
 
     @gluon.jit
-    def _load_pre_activations(gate_up_ptr, packed, n0, N_OUT, EPI_N: gl.constexpr, layout: gl.constexpr):
-        """The packed gate and up pre-activations (bf16) of the [BLOCK_M, EPI_N] chunk at column n0; zeros on
-        padding rows and past N_OUT."""
-        cols = n0 + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, layout))
-        ptrs = gate_up_ptr + packed.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
-        mask = (packed >= 0)[:, None] & (cols < N_OUT)[None, :]
-        return gl.load(ptrs, mask=mask, other=0.0), gl.load(ptrs + N_OUT, mask=mask, other=0.0)
+    def _fetch_pre_activations(gate_desc, up_desc, gate_bufs, up_bufs, ready, packed_ptr, m0, n0):
+        """TMA loads of the packed gate and up of the tile at (m0, n0) in two column halves: a tile's rows
+        that hold a source come first, with consecutive packed indices from packed[m0]."""
+        HALF_N: gl.constexpr = gate_desc.block_type.shape[1]
+        first_packed = gl.load(packed_ptr + m0)
+        mbarrier.expect(ready, 4 * gate_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(gate_desc, [first_packed, n0 + half * HALF_N], ready,
+                                            gate_bufs.index(half))
+            tma.async_copy_global_to_shared(up_desc, [first_packed, n0 + half * HALF_N], ready,
+                                            up_bufs.index(half))
 
     @gluon.jit
-    def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rows, rw, n0, N_OUT, c_ptr, h_ptr, swiglu_limit,
-                          HAS_LIMIT: gl.constexpr):
-        """grouped_gemm._swiglu_bwd_chunk on one [BLOCK_M, EPI_N] chunk in a blocked register layout (rows and
-        rw in its row slice); returns the chunk's d_rw row partials."""
-        layout: gl.constexpr = d_h_raw.type.layout
-        EPI_N: gl.constexpr = d_h_raw.shape[1]
-        dtype: gl.constexpr = c_ptr.dtype.element_ty
-        cols = n0 + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, layout))
-        col_ok = (cols < N_OUT)[None, :]
-        pre_gate = pre_gate.to(gl.float32)
-        pre_up = pre_up.to(gl.float32)
+    def _chunk(bufs, c: gl.constexpr, EPI_N: gl.constexpr):
+        """Column chunk c ([BLOCK_M, EPI_N]) of a tile kept as two [BLOCK_M, BLOCK_N // 2] halves."""
+        HALF_N: gl.constexpr = bufs.shape[2]
+        return bufs.index(c * EPI_N // HALF_N).slice(c * EPI_N % HALF_N, EPI_N, dim=1)
+
+    @gluon.jit
+    def _swiglu_bwd_math(d_h_raw, pre_gate, pre_up, row_ok, rw, swiglu_limit, HAS_LIMIT: gl.constexpr):
+        """grouped_gemm._swiglu_bwd_chunk's operations on one chunk (its register layout; row_ok and rw in
+        the row slice): (d_gate, d_up, h_weighted) in bf16 and the chunk's d_rw row partials. Padding rows
+        read their pre-activations as zeros, as the Triton kernel's masked loads do."""
+        dtype: gl.constexpr = pre_gate.dtype
+        pre_gate = gl.where(row_ok[:, None], pre_gate.to(gl.float32), 0.0)
+        pre_up = gl.where(row_ok[:, None], pre_up.to(gl.float32), 0.0)
         if HAS_LIMIT:
             gate = gl.minimum(pre_gate, swiglu_limit, propagate_nan=_NAN)
             up = gl.minimum(gl.maximum(pre_up, -swiglu_limit, propagate_nan=_NAN), swiglu_limit,
@@ -154,17 +165,12 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         d_up = d_h * silu
         if HAS_LIMIT:
             d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(gl.float32)
-        out_ptrs = c_ptr + rows.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
-        gl.store(out_ptrs + N_OUT, d_up.to(dtype), mask=col_ok)
-        gl.store(out_ptrs, (d_h * up * d_silu).to(dtype), mask=col_ok)
-        gl.store(h_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], (h * rw[:, None]).to(dtype),
-                 mask=col_ok)
-        return d_rw_part
+        return (d_h * up * d_silu).to(dtype), d_up.to(dtype), (h * rw[:, None]).to(dtype), d_rw_part
 
     @gluon.jit
-    def _consumer(c_desc, a_bufs, w_bufs, ready, empty, turn, epi_bufs, num_tiles, num_m_tiles, num_n_tiles,
-                  N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
-                  d_rw_partial_ptr, swiglu_limit,
+    def _consumer(a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
+                  up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
+                  packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
                   CONSUMER: gl.constexpr, W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -172,9 +178,10 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        # the swiglu_bwd epilogue's chunks: [BLOCK_M, EPI_N], 8 contiguous columns per thread
+        # the swiglu_bwd epilogue works on [BLOCK_M, EPI_N] column chunks of the accumulator, in place
         EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
-        chunk_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_N // 8), EPI_N // 8], [4, 1], [1, 0])
+        chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, EPI_N, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
         k_steps = gl.cdiv(K, BLOCK_K)
         seq = CONSUMER  # index of the tile in the program's list: the ring position follows from it
@@ -187,7 +194,9 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                 rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
                 source = gl.load(row_source_ptr + rows)
                 rw = gl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
-                packed = gl.load(packed_ptr + rows)
+                row_ok = gl.load(packed_ptr + rows) >= 0
+                if seq == 0:  # the program's first epilogue fetches its own gate/up (later ones: see below)
+                    _fetch_pre_activations(c_desc, up_desc, epi_bufs, up_bufs, epi_ready, packed_ptr, m0, n0)
             mbarrier.wait(turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             prev_slot = 0
@@ -215,28 +224,41 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
             else:  # "swiglu_bwd": acc = d_y_rows @ w_down[e], the unscaled d_h
-                # The accumulator goes to shared memory first (in EPI_SPLIT column chunks) and comes back one
-                # chunk at a time in a blocked layout: the 128 accumulator registers are free for the SwiGLU
-                # temporaries (kept in registers, 4 warps' 128x128 tile spilled kilobytes), and each thread's 8
-                # contiguous columns make 16-byte global loads and stores.
-                # chunk c + 1's gate/up loads are issued before chunk c is computed (chunk 0's before the
-                # staging): they stay in flight meanwhile
-                pre_next = _load_pre_activations(gate_up_ptr, packed, n0, N_OUT, EPI_N, chunk_layout)
+                # The program's epilogues take turns (epi_turn) on one set of tile buffers: the tile's gate and
+                # up arrive by TMA (fetched by the previous epilogue, so they land during this tile's K loop),
+                # each column chunk's outputs overwrite its inputs in place (every thread writes exactly the
+                # elements it read, no barrier needed) and fill h_bufs, and the tile leaves by TMA stores.
+                mbarrier.wait(epi_turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
+                mbarrier.wait(epi_ready, seq & 1)
                 chunks = _column_chunks(acc, EPI_SPLIT)
-                gl.thread_barrier()  # every warp of this consumer has read the previous tile's chunks
-                for c in gl.static_range(EPI_SPLIT):
-                    epi_bufs.index(CONSUMER * EPI_SPLIT + c).store(chunks[c])
-                gl.thread_barrier()
                 d_rw_part = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
                 for c in gl.static_range(EPI_SPLIT):  # the row partials are added in column order
-                    pre = pre_next
-                    if c + 1 < EPI_SPLIT:
-                        pre_next = _load_pre_activations(gate_up_ptr, packed, n0 + (c + 1) * EPI_N, N_OUT, EPI_N,
-                                                         chunk_layout)
-                    d_h_raw = epi_bufs.index(CONSUMER * EPI_SPLIT + c).load(chunk_layout)
-                    d_rw_part += _swiglu_bwd_chunk(d_h_raw, pre[0], pre[1], rows, rw, n0 + c * EPI_N, N_OUT, c_ptr,
-                                                   h_ptr, swiglu_limit, HAS_LIMIT)
+                    gate_c = _chunk(epi_bufs, c, EPI_N)
+                    up_c = _chunk(up_bufs, c, EPI_N)
+                    d_h_raw = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True)
+                    d_gate, d_up, h_weighted, part = _swiglu_bwd_math(d_h_raw, gate_c.load(chunk_layout),
+                                                                      up_c.load(chunk_layout), row_ok, rw,
+                                                                      swiglu_limit, HAS_LIMIT)
+                    d_rw_part += part
+                    gate_c.store(d_gate)
+                    up_c.store(d_up)
+                    _chunk(h_bufs, c, EPI_N).store(h_weighted)
                 gl.store(d_rw_partial_ptr + rows.to(gl.int64) * num_n_tiles + n_tile, d_rw_part)
+                fence_async_shared()
+                gl.thread_barrier()
+                for half in gl.static_range(2):
+                    col = n0 + half * (BLOCK_N // 2)
+                    tma.async_copy_shared_to_global(dg_desc, [m0, col], epi_bufs.index(half))
+                    tma.async_copy_shared_to_global(du_desc, [m0, col], up_bufs.index(half))
+                    tma.async_copy_shared_to_global(hw_desc, [m0, col], h_bufs.index(half))
+                tma.store_wait(0)  # the buffers are read out: the next tile's gate/up can come in
+                gl.thread_barrier()
+                next_tile = tile_id + NUM_PROGRAMS
+                if next_tile < num_tiles:
+                    next_m, next_n = common.tile_coords(next_tile, num_m_tiles, num_n_tiles, GROUP_M)
+                    _fetch_pre_activations(c_desc, up_desc, epi_bufs, up_bufs, epi_ready, packed_ptr,
+                                           next_m * BLOCK_M, next_n * BLOCK_N)
+                mbarrier.arrive(epi_turn.index(1 - CONSUMER))
             seq += 2
         if EPILOGUE == "store":
             tma.store_wait(0)
@@ -250,42 +272,64 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
 
     @gluon.jit
     def _column_chunks(tile, SPLIT: gl.constexpr):
-        """The tile as a tuple of SPLIT (1, 2 or 4) column chunks, left to right."""
+        """The tile as a tuple of SPLIT (1, 2, 4 or 8) column chunks, left to right."""
         if SPLIT == 1:
             return (tile,)
         elif SPLIT == 2:
             return _halves(tile)
+        elif SPLIT == 4:
+            left, right = _halves(tile)
+            c0, c1 = _halves(left)
+            c2, c3 = _halves(right)
+            return (c0, c1, c2, c3)
         else:
             left, right = _halves(tile)
-            left0, left1 = _halves(left)
-            right0, right1 = _halves(right)
-            return (left0, left1, right0, right1)
+            q0, q1 = _halves(left)
+            q2, q3 = _halves(right)
+            c0, c1 = _halves(q0)
+            c2, c3 = _halves(q1)
+            c4, c5 = _halves(q2)
+            c6, c7 = _halves(q3)
+            return (c0, c1, c2, c3, c4, c5, c6, c7)
 
     @gluon.jit
-    def _pingpong_kernel(a_desc, w_desc, c_desc, tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
-                         N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
-                         d_rw_partial_ptr, swiglu_limit,
+    def _pingpong_kernel(a_desc, w_desc, c_desc, up_desc, dg_desc, du_desc, hw_desc, tile_expert_ptr,
+                         expert_offsets_ptr, num_experts, sched_block_m, N_OUT, K, row_source_ptr, packed_ptr,
+                         router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
                          W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                          EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """"store": c_desc is C [R, N_OUT]. "swiglu_bwd": c_desc / up_desc the packed gate / up halves
+        [num_packed, N_OUT], dg_desc / du_desc the d_gate / d_up halves of d_gate_up [R, N_OUT], hw_desc
+        h_weighted [R, N_OUT], all in [BLOCK_M, BLOCK_N // 2] boxes."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, a_desc.block_type.shape[0], a_desc.block_type.shape[1]],
                                            a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
                                            w_desc.layout)
-        # the consumers' epilogue staging: the bf16 output tile for its TMA store ("store"); the fp32
-        # accumulator in EPI_SPLIT column chunks ("swiglu_bwd")
-        if EPILOGUE == "store":
-            epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
-        else:
-            EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
-            epi_bufs = gl.allocate_shared_memory(gl.float32, [2 * EPI_SPLIT, BLOCK_M, EPI_N],
-                                                 gl.NVMMASharedLayout.get_default_for([BLOCK_M, EPI_N], gl.float32))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # the epilogue buffers: "store", each consumer's output tile; "swiglu_bwd", one set of gate, up and h
+        # tile buffers (two column halves each, one TMA box) that the program's epilogues use in turn
+        # (epi_turn); epi_ready: the tile's gate and up have landed
+        if EPILOGUE == "store":
+            epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+            up_bufs = epi_bufs
+            h_bufs = epi_bufs
+            epi_ready = turn
+            epi_turn = turn
+        else:
+            epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], c_desc.layout)
+            up_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], up_desc.layout)
+            h_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], hw_desc.layout)
+            epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            epi_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(epi_turn.index(i), count=1)
+            mbarrier.init(epi_ready, count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
@@ -298,14 +342,14 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         num_n_tiles = gl.cdiv(N_OUT, BLOCK_N)
         num_tiles = num_m_tiles * num_n_tiles
         gl.warp_specialize([
-            (_consumer, (c_desc, a_bufs, w_bufs, ready, empty, turn, epi_bufs, num_tiles, num_m_tiles, num_n_tiles,
-                         N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
-                         d_rw_partial_ptr, swiglu_limit, 0, W_NK, EPILOGUE, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES,
-                         NUM_PROGRAMS, BLOCK_N)),
-            (_consumer, (c_desc, a_bufs, w_bufs, ready, empty, turn, epi_bufs, num_tiles, num_m_tiles, num_n_tiles,
-                         N_OUT, K, c_ptr, h_ptr, row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr,
-                         d_rw_partial_ptr, swiglu_limit, 1, W_NK, EPILOGUE, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES,
-                         NUM_PROGRAMS, BLOCK_N)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
+                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
+                         packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 0, W_NK, EPILOGUE, HAS_LIMIT,
+                         EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
+                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
+                         packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 1, W_NK, EPILOGUE, HAS_LIMIT,
+                         EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
             (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
                        num_m_tiles, num_n_tiles, N_OUT, K, W_NK, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -324,21 +368,22 @@ def _descriptor(t: torch.Tensor, block: list):
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
-def _launch(*, a, w2d, w_nk, out, schedule: Schedule, n_out: int, k: int, epilogue: str, block_n: int,
-            block_k: int, stages: int, epi_split: int = 1, group_m: int = 8, h=None, swiglu_limit=None,
-            packed=None, gate_up=None, router_weights=None, d_rw_partial=None):
+def _launch(*, a, w2d, w_nk, schedule: Schedule, n_out: int, k: int, epilogue: str, block_n: int, block_k: int,
+            stages: int, out_views, epi_split: int = 1, group_m: int = 8, swiglu_limit=None, packed=None,
+            router_weights=None, d_rw_partial=None):
+    """out_views: "store", (C,); "swiglu_bwd", (gate, up, d_gate, d_up, h_weighted), each [rows, n_out]."""
     block_m = 128
     num_n_tiles = triton.cdiv(n_out, block_n)
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
-    a_desc = _descriptor(a, [block_m, block_k])
-    w_desc = _descriptor(w2d, [block_n, block_k] if w_nk else [block_k, block_n])
-    c_desc = _descriptor(out, [block_m, block_n]) if epilogue == "store" else a_desc
-    dummy = out
+    box = [block_m, block_n if epilogue == "store" else block_n // 2]
+    descs = [_descriptor(t, box) for t in out_views]
+    descs += [descs[0]] * (5 - len(descs))
+    dummy = schedule.row_source
     _pingpong_kernel[(num_programs,)](
-        a_desc, w_desc, c_desc, schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m,
-        n_out, k, out, h if h is not None else dummy, schedule.row_source,
-        packed if packed is not None else dummy, gate_up if gate_up is not None else dummy,
+        _descriptor(a, [block_m, block_k]), _descriptor(w2d, [block_n, block_k] if w_nk else [block_k, block_n]),
+        *descs, schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, n_out, k,
+        schedule.row_source, packed if packed is not None else dummy,
         router_weights if router_weights is not None else dummy,
         d_rw_partial if d_rw_partial is not None else dummy,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
@@ -361,13 +406,13 @@ def down(h, w_down, schedule: Schedule, *, block_n=128, block_k=64, stages=4):
     """grouped_gemm.down (o [R, H] = h @ w_down[e].T) on the ping-pong kernel."""
     num_experts, hidden, inter = w_down.shape
     out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
-    _launch(a=h, w2d=w_down.view(num_experts * hidden, inter), w_nk=True, out=out, schedule=schedule,
-            n_out=hidden, k=inter, epilogue="store", block_n=block_n, block_k=block_k, stages=stages)
+    _launch(a=h, w2d=w_down.view(num_experts * hidden, inter), w_nk=True, schedule=schedule, n_out=hidden, k=inter,
+            epilogue="store", block_n=block_n, block_k=block_k, stages=stages, out_views=(out,))
     return out
 
 
 def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit,
-                               *, block_n=128, block_k=64, stages=3, epi_split=4):
+                               *, block_n=128, block_k=64, stages=4, epi_split=8):
     """grouped_gemm.down_dgrad_swiglu's GEMM on the ping-pong kernel: (d_gate_up [R, 2I], h_weighted [R, I],
     d_rw row partials [R, ceil(I / block_n)] fp32); the caller sums the partials."""
     num_experts, hidden, inter = w_down.shape
@@ -375,8 +420,9 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
     d_rw_partial = common.empty((num_rows, triton.cdiv(inter, block_n)), torch.float32, gate_up.device)
-    _launch(a=d_y_rows, w2d=w_down.view(num_experts * hidden, inter), w_nk=False, out=d_gate_up, schedule=schedule,
-            n_out=inter, k=hidden, epilogue="swiglu_bwd", block_n=block_n, block_k=block_k, stages=stages,
-            epi_split=epi_split, h=h_weighted, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
-            gate_up=gate_up, router_weights=router_weights, d_rw_partial=d_rw_partial)
+    views = (gate_up[:, :inter], gate_up[:, inter:], d_gate_up[:, :inter], d_gate_up[:, inter:], h_weighted)
+    _launch(a=d_y_rows, w2d=w_down.view(num_experts * hidden, inter), w_nk=False, schedule=schedule, n_out=inter,
+            k=hidden, epilogue="swiglu_bwd", block_n=block_n, block_k=block_k, stages=stages, out_views=views,
+            epi_split=epi_split, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
+            router_weights=router_weights, d_rw_partial=d_rw_partial)
     return d_gate_up, h_weighted, d_rw_partial
