@@ -25,7 +25,8 @@ def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
     schedule = build_schedule(topk, num_experts, 128)
     randn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
     return dict(schedule=schedule, h=randn(schedule.capacity, inter), d_y_rows=randn(schedule.capacity, hidden),
-                w_down=randn(num_experts, hidden, inter, scale=inter**-0.5), gate_up=randn(schedule.num_packed, 2 * inter),
+                w_down=randn(num_experts, hidden, inter, scale=inter**-0.5),
+                gate_up=randn(schedule.num_packed, 2 * inter),
                 router_weights=torch.rand(num_tokens * top_k, generator=g, device="cuda"))
 
 
@@ -61,3 +62,50 @@ def test_down_dgrad_swiglu_bitwise(name, limit):
     d_rw, d_rw_ref = got[2][used], ref[2][used]
     assert torch.equal(d_rw, again[2][used])
     assert ((d_rw - d_rw_ref).norm() / d_rw_ref.norm()).item() < 1e-5
+
+
+def test_layer_routes_dgrad_to_it(monkeypatch):
+    """serval.moe with the dgrad on this kernel (forced for a small H): gradients as with the Triton kernel
+    (bitwise but the router weights'), no host sync, and a CUDA-graph replay equal to the eager step."""
+    import serval
+    from conftest import make_layer, make_routing
+
+    x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
+    rw, ids = make_routing(512, 8, 2, device="cuda")
+    d_y = torch.randn_like(x)
+
+    def step():
+        leaves = [t.detach().requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
+        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:5], tuple(leaves[5:]))
+        return (y, *torch.autograd.grad(y, leaves, d_y))
+
+    triton_only = step()
+    calls = []
+    kernel = warp_specialized.down_dgrad_swiglu_partials
+    monkeypatch.setattr(warp_specialized, "down_dgrad_swiglu_partials",
+                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    monkeypatch.setattr(grouped_gemm, "WARP_SPECIALIZED_MIN_K", 0)
+    eager = step()
+    assert calls, "the layer did not run the dgrad on the ping-pong kernel"
+    for i, (a, b) in enumerate(zip(eager, triton_only)):
+        if i == 2:  # d_router_weights: row sums in another order
+            assert ((a - b).float().norm() / b.float().norm()).item() < 1e-5
+        else:
+            assert torch.equal(a, b), i
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))

@@ -540,7 +540,8 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         NUM_PROGRAMS=num_programs,
         A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
-        EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, num_warps=config.num_warps, num_stages=config.num_stages,
+        EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
