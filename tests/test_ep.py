@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import serval
-from conftest import make_layer, make_routing, rel_err, requires_cuda
+from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
 
 N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
 
@@ -39,10 +39,13 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
     try:
         group = dist.group.WORLD
         x, rw, ids, weights, shared, d_y = problem(world_size, kind, num_tokens)
-        if device == "cuda":  # every rank on the one GPU: correctness only, never timing
-            x, rw, ids, d_y = x.cuda().bfloat16(), rw.cuda(), ids.cuda(), d_y.cuda().bfloat16()
-            weights = [w.cuda().bfloat16() for w in weights]
-            shared = tuple(w.cuda().bfloat16() for w in shared)
+        if device != "cpu":  # "cuda": every rank on the one GPU (correctness only, never timing); "cuda-per-rank"
+            gpu = torch.device("cuda", rank if device == "cuda-per-rank" else 0)
+            torch.cuda.set_device(gpu)
+            x, rw, ids, d_y = x.to(gpu, torch.bfloat16), rw.to(gpu), ids.to(gpu), d_y.to(gpu, torch.bfloat16)
+            weights = [w.to(gpu, torch.bfloat16) for w in weights]
+            shared = tuple(w.to(gpu, torch.bfloat16) for w in shared)
+            device = "cuda"
         tokens = slice(rank * num_tokens, (rank + 1) * num_tokens)
         experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
         block_m = 128 if device == "cuda" else 16
@@ -109,6 +112,15 @@ def test_ep_symmetric_memory_on_one_gpu(world_size, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(world_size, tmp_path, backend="auto", device="cuda")
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_ep_one_gpu_per_rank(world_size, tmp_path, monkeypatch):
+    """The CUDA path with one process per GPU (a multi-GPU machine): bitwise equal to EP=1 on one GPU."""
+    if not CUDA or torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    run(world_size, tmp_path, backend="auto", device="cuda-per-rank")
 
 
 @requires_cuda
