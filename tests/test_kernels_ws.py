@@ -68,7 +68,7 @@ def test_layer_routes_dgrad_to_it(monkeypatch):
     """serval.moe with the dgrad on this kernel (forced for a small H): gradients as with the Triton kernel
     (bitwise but the router weights'), no host sync, and a CUDA-graph replay equal to the eager step."""
     import serval
-    from conftest import make_layer, make_routing
+    from conftest import check_sync_free_and_graph_replay, make_layer, make_routing
 
     x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
     rw, ids = make_routing(512, 8, 2, device="cuda")
@@ -92,20 +92,4 @@ def test_layer_routes_dgrad_to_it(monkeypatch):
             assert ((a - b).float().norm() / b.float().norm()).item() < 1e-5
         else:
             assert torch.equal(a, b), i
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+    check_sync_free_and_graph_replay(step, eager)

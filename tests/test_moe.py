@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import serval
-from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
+from conftest import CUDA, check_sync_free_and_graph_replay, make_layer, make_routing, rel_err, requires_cuda
 from serval import reference
 
 # (name, N, H, I, E, k, routing kind, shared intermediate, swiglu_limit); sizes are not multiples of any tile
@@ -211,20 +211,4 @@ def test_no_host_sync_and_cuda_graph():
         return (y, *torch.autograd.grad(y, leaves, d_y))
 
     eager = step()  # warm-up: kernels compiled, allocator primed
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+    check_sync_free_and_graph_replay(step, eager)
