@@ -59,6 +59,25 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def cuda_layer_step():
+    """A bf16 training step of serval.moe on the GPU (512 tokens, H 256, I 128, 8 experts, k 2, a shared
+    expert): step() returns (y, every input's gradient)."""
+    import serval
+
+    x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
+    rw, ids = make_routing(512, 8, 2, device="cuda")
+    d_y = torch.randn_like(x)
+
+    def step():
+        # fresh leaves each step: autograd syncs a gradient to the stream its leaf's accumulator was
+        # made on, and one made on the default stream outside a capture breaks the capture
+        leaves = [t.detach().requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
+        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:5], tuple(leaves[5:]))
+        return (y, *torch.autograd.grad(y, leaves, d_y))
+
+    return step
+
+
 def check_sync_free_and_graph_replay(step, eager):
     """step() runs no host sync (torch's sync debug mode raises on one), and a CUDA-graph capture of it
     replays to `eager`, its eager result, bit for bit."""

@@ -67,18 +67,9 @@ def test_down_dgrad_swiglu_bitwise(name, limit):
 def test_layer_routes_dgrad_to_it(monkeypatch):
     """serval.moe with the dgrad on this kernel (forced for a small H): gradients as with the Triton kernel
     (bitwise but the router weights'), no host sync, and a CUDA-graph replay equal to the eager step."""
-    import serval
-    from conftest import check_sync_free_and_graph_replay, make_layer, make_routing
+    from conftest import check_sync_free_and_graph_replay, cuda_layer_step
 
-    x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
-    rw, ids = make_routing(512, 8, 2, device="cuda")
-    d_y = torch.randn_like(x)
-
-    def step():
-        leaves = [t.detach().requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
-        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:5], tuple(leaves[5:]))
-        return (y, *torch.autograd.grad(y, leaves, d_y))
-
+    step = cuda_layer_step()
     triton_only = step()
     calls = []
     kernel = warp_specialized.down_dgrad_swiglu_partials

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import serval
-from conftest import CUDA, check_sync_free_and_graph_replay, make_layer, make_routing, rel_err, requires_cuda
+from conftest import (CUDA, check_sync_free_and_graph_replay, cuda_layer_step, make_layer, make_routing, rel_err,
+                      requires_cuda)
 from serval import reference
 
 # (name, N, H, I, E, k, routing kind, shared intermediate, swiglu_limit); sizes are not multiples of any tile
@@ -199,16 +200,6 @@ def test_torch_compile_fullgraph():
 
 @requires_cuda
 def test_no_host_sync_and_cuda_graph():
-    x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
-    rw, ids = make_routing(512, 8, 2, device="cuda")
-    d_y = torch.randn_like(x)
-
-    def step():
-        # fresh leaves each step: autograd syncs a gradient to the stream its leaf's accumulator was
-        # made on, and one made on the default stream outside the capture breaks the capture
-        leaves = [t.detach().requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
-        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:5], tuple(leaves[5:]))
-        return (y, *torch.autograd.grad(y, leaves, d_y))
-
+    step = cuda_layer_step()
     eager = step()  # warm-up: kernels compiled, allocator primed
     check_sync_free_and_graph_replay(step, eager)
