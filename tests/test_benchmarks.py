@@ -49,3 +49,15 @@ def test_kernel_pingpong():
     """On the CPU it declines; on an H200 it checks the ping-pong kernel against serval's Triton kernel."""
     out = run_script("kernel_pingpong.py", "--shapes", "qwen3-30b-a3b", "--soak", "0.1")
     assert "not run" in out or "all checks passed" in out
+
+
+@pytest.mark.skipif(not CUDA, reason="symmetric memory needs a CUDA GPU")
+def test_ep_ceilings_one_gpu(tmp_path, monkeypatch):
+    """Two processes on one GPU (correctness of the transfers only; the figures mean nothing there)."""
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    out = tmp_path / "records.json"
+    run_script("ep_ceilings.py", "--one-gpu", "--rows", "300", "--hidden", "136", "--warmup", "1", "--iters", "2",
+               "--out", str(out), launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    records = json.load(open(out))
+    assert {r["impl"] for r in records} == {"pull", "push", "ce_read", "local"}
+    assert all(r["checked"] and r["ms"] > 0 for r in records)
