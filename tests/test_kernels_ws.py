@@ -65,17 +65,18 @@ def test_down_dgrad_swiglu_bitwise(name, limit):
 
 
 def test_layer_routes_dgrad_to_it(monkeypatch):
-    """serval.moe with the dgrad on this kernel (forced for a small H): gradients as with the Triton kernel
-    (bitwise but the router weights'), no host sync, and a CUDA-graph replay equal to the eager step."""
+    """serval.moe runs its dgrad on this kernel by default: gradients as with the Triton kernel (bitwise but
+    the router weights'), no host sync, and a CUDA-graph replay equal to the eager step."""
     from conftest import check_sync_free_and_graph_replay, cuda_layer_step
 
     step = cuda_layer_step()
+    monkeypatch.setattr(grouped_gemm, "WARP_SPECIALIZED", False)
     triton_only = step()
+    monkeypatch.setattr(grouped_gemm, "WARP_SPECIALIZED", True)
     calls = []
     kernel = warp_specialized.down_dgrad_swiglu_partials
     monkeypatch.setattr(warp_specialized, "down_dgrad_swiglu_partials",
                         lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
-    monkeypatch.setattr(grouped_gemm, "WARP_SPECIALIZED_MIN_K", 0)
     eager = step()
     assert calls, "the layer did not run the dgrad on the ping-pong kernel"
     for i, (a, b) in enumerate(zip(eager, triton_only)):

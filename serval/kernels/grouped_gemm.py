@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from ..schedule import Schedule, packed_index
-from . import common
+from . import common, swiglu
 from . import warp_specialized as warp_specialized_kernel
 from .rows import gather as gather_rows
 
@@ -217,32 +217,6 @@ def _packed_tile_ptrs(ptr, packed, n0, n_limit, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _clamp_gate(gate, limit):
-    """gate.clamp(max=limit); NaN stays NaN, as in torch (PTX min/max would drop it)."""
-    return tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _clamp_up(up, limit):
-    """up.clamp(-limit, limit); NaN stays NaN."""
-    return tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                      propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _swiglu_h(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
-    """h = silu(gate) * up in fp32 from the stored (bf16-rounded) pre-activations, as stages.swiglu.
-
-    _swiglu_bwd_chunk recomputes h with the same operations, so the backward sees exactly the h
-    that the forward stored and fed to the down GEMM.
-    """
-    if HAS_LIMIT:
-        gate = _clamp_gate(gate, swiglu_limit)
-        up = _clamp_up(up, swiglu_limit)
-    return gate * tl.sigmoid(gate) * up
-
-
-@triton.jit
 def _split_columns(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(tile[:, :BLOCK_N // 2], tile[:, BLOCK_N // 2:])."""
     return tl.split(tile.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
@@ -266,40 +240,12 @@ def _column_chunks(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl
 def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c1_desc, h_desc,
                       c_ptr, stride_c, h_ptr, swiglu_limit,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr):
-    """SwiGLU backward of one [BLOCK_M, BLOCK_N] chunk of the down dgrad; returns its d_rw row partials.
-
-    As stages.down_dgrad_swiglu: d_h = rw * d_h_raw, d_gate = d_h * up * silu'(gate), d_up = d_h * silu(gate),
-    no gradient through an active clamp; h is recomputed exactly as the forward stored it. Ordered so that
-    few fp32 temporaries are live at once: the gate half is reduced to (silu, silu') before up is widened.
-    """
-    dtype = c_ptr.dtype.element_ty
-    pre_gate = pre_gate.to(tl.float32)
-    if HAS_LIMIT:
-        gate = _clamp_gate(pre_gate, swiglu_limit)
-    else:
-        gate = pre_gate
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    d_silu = sig * (1 + gate * (1 - sig))
-    if HAS_LIMIT:
-        d_silu = d_silu * (pre_gate <= swiglu_limit).to(tl.float32)
-    pre_up = pre_up.to(tl.float32)
-    if HAS_LIMIT:
-        up = _clamp_up(pre_up, swiglu_limit)
-    else:
-        up = pre_up
-    # the h the forward stored (same ops as _swiglu_h: (gate * sig) * up, rounded once)
-    h = (silu * up).to(dtype).to(tl.float32)
-    # router-weight gradient partial: <d_h_raw, h> over these columns (both are zero past n_limit)
-    d_rw_part = tl.sum(d_h_raw * h, axis=1)
-    d_h = d_h_raw * rw[:, None]
-    d_up = d_h * silu
-    if HAS_LIMIT:
-        d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(tl.float32)
-    _store_tile(c1_desc, c_ptr + n_limit, stride_c, d_up.to(dtype), m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
-    _store_tile(c0_desc, c_ptr, stride_c, (d_h * up * d_silu).to(dtype), m0, n0, n_limit, BLOCK_M, BLOCK_N,
-                USE_TMA)
-    _store_tile(h_desc, h_ptr, n_limit, (h * rw[:, None]).to(dtype), m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
+    """swiglu.backward of one [BLOCK_M, BLOCK_N] chunk of the down dgrad, stored (d_gate, d_up into
+    d_gate_up's halves, h_weighted); returns its d_rw row partials."""
+    d_gate, d_up, h_weighted, d_rw_part = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit, HAS_LIMIT)
+    _store_tile(c1_desc, c_ptr + n_limit, stride_c, d_up, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
+    _store_tile(c0_desc, c_ptr, stride_c, d_gate, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
+    _store_tile(h_desc, h_ptr, n_limit, h_weighted, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
     return d_rw_part
 
 
@@ -437,7 +383,7 @@ def _grouped_gemm_kernel(
                 ptrs, mask = _packed_tile_ptrs(c_ptr, packed, n0 + c * EPI_N, N_OUT, EPI_N)
                 tl.store(ptrs, gate, mask=mask)
                 tl.store(ptrs + N_OUT, up, mask=mask)
-                h = _swiglu_h(gate.to(tl.float32), up.to(tl.float32), swiglu_limit, HAS_LIMIT)
+                h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT)
                 _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
                             EPI_TMA_STORES)
 
@@ -585,13 +531,11 @@ def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use
     return out
 
 
-# The down dgrad on the ping-pong kernel (serval.kernels.warp_specialized) where it takes the operands and
-# the K loop (K = H) is long enough to hide its epilogue, whose time per tile does not depend on K. H200,
-# 2026-11-29, sustained load (benchmarks/kernel_pingpong.py; ms, Triton kernel -> ping-pong): H = 7168
-# kimi-k2 1.99 -> 1.74, deepseek-v4-pro 2.20 -> 1.86; H = 6144 glm-5 3.42 -> 2.89; H = 4096 qwen3.5-397b
-# 0.95 -> 1.03; H = 2048 qwen3-30b-a3b 1.09 -> 1.75. Bitwise the same results either way.
+# The down dgrad on the ping-pong kernel (serval.kernels.warp_specialized) wherever it takes the operands.
+# H200, 2026-11-29, sustained load, ms, Triton kernel -> ping-pong (BENCHMARKS.md): qwen3-30b-a3b 1.09 -> 0.92,
+# qwen3.5-397b 0.91 -> 0.83, kimi-k2 1.99 -> 1.71 (sixth session); glm-5 3.42 -> 2.89, deepseek-v4-pro
+# 2.20 -> 1.86 (fifth session, before swiglu.sigmoid). Bitwise the same results either way.
 WARP_SPECIALIZED = True
-WARP_SPECIALIZED_MIN_K = 6144
 
 
 def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None,
@@ -602,9 +546,8 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     gate_up: packed [num_packed, 2I], as gate_up_swiglu returns it.
     Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I], d_rw_rows [R] fp32), as stages.down_dgrad_swiglu.
     warp_specialized: run the GEMM on `warp_specialized`'s ping-pong kernel (its epilogue overlaps the other
-    consumer's MMAs); default: WARP_SPECIALIZED, for H >= WARP_SPECIALIZED_MIN_K, where that kernel takes the
-    operands (sm_90, Triton 3.6, bf16, TMA-aligned, H % 64 == 0) and neither config nor use_tma asks for this
-    kernel's variants. Same d_gate_up and h_weighted bit for bit; d_rw_rows within float rounding (its row
+    consumer's MMAs); default: WARP_SPECIALIZED, where that kernel takes the operands (sm_90, Triton 3.6,
+    bf16, TMA-aligned, H % 64 == 0) and neither config nor use_tma asks for this kernel's variants. Same d_gate_up and h_weighted bit for bit; d_rw_rows within float rounding (its row
     sums run in another register layout), each deterministic.
     """
     _check(d_y_rows, w_down, gate_up)
@@ -615,7 +558,7 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     num_rows = schedule.capacity
     router_weights = router_weights.contiguous().view(-1).float()
     if warp_specialized is None:
-        warp_specialized = (WARP_SPECIALIZED and config is None and use_tma is None and hidden >= WARP_SPECIALIZED_MIN_K
+        warp_specialized = (WARP_SPECIALIZED and config is None and use_tma is None
                             and warp_specialized_kernel.takes(schedule, d_y_rows, w_down, gate_up, k=hidden))
     if warp_specialized:
         d_gate_up, h_weighted, d_rw_partial = warp_specialized_kernel.down_dgrad_swiglu_partials(

@@ -21,7 +21,7 @@ the stores drop.
 
 EPILOGUE "store" (C = A @ W_e^T, the `down` GEMM): a TMA store per tile. "swiglu_bwd" (the down
 dgrad: d_h_raw = d_y_rows @ w_down[e]): the SwiGLU backward and the router-weight gradient's row
-partials, with the operations of grouped_gemm's `_swiglu_bwd_chunk`, and no global access by the
+partials (`swiglu.backward`, as in grouped_gemm's kernel), and no global access by the
 consumer warps but the row data and the partials. The program's epilogues take turns (`epi_turn`) on
 one set of tile buffers (gate, up, h: 96 KB, beside a 4-stage ring): TMA brings the tile's packed gate
 and up in (a tile's rows that hold a source come first, with consecutive packed indices), fetched by
@@ -32,17 +32,16 @@ h; TMA stores take the tile out. The row partials are summed over a row's N-tile
 `_sum_partials_kernel`, in another order than the Triton kernel's (its row sums run in another
 register layout): d_rw within float rounding of it, d_gate_up and h_weighted bit for bit.
 
-Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md, fifth session): `down` runs as fast as the
-Triton kernel. The dgrad's epilogue takes a roughly fixed time per tile (~37 us on the H200), which
-the other consumer's K loop hides when K (= H) is long: ms, Triton -> ping-pong, kimi-k2 (H 7168)
-1.99 -> 1.74, deepseek-v4-pro (7168) 2.20 -> 1.86, glm-5 (6144) 3.42 -> 2.89, but qwen3.5-397b
-(4096) 0.95 -> 1.03 and qwen3-30b-a3b (2048) 1.09 -> 1.75. grouped_gemm routes the dgrad here for
-H >= its WARP_SPECIALIZED_MIN_K. On qwen3-30b-a3b the epilogue's SwiGLU math is most of that time
-(the same kernel with trivial math: 0.86 ms); why a warp group takes ~20 us for 16K elements of it
-next to another's MMAs was not run down. Earlier versions, measured and replaced: the accumulator
-staged as fp32 in shared memory and the gate/up loads and output stores through pointers
-(1.32 ms qwen3-30b-a3b: the global accesses were not hidden, and the staging left room for 3 stages
-only); per-chunk TMA boxes with a barrier per chunk (1.73-1.89 ms).
+Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md): `down` runs as fast as the Triton kernel.
+The dgrad, ms, Triton -> ping-pong: qwen3-30b-a3b (H 2048) 1.09 -> 0.92, qwen3.5-397b (4096) 0.91 -> 0.83,
+kimi-k2 (7168) 1.99 -> 1.71 (sixth session); glm-5 (6144) 3.42 -> 2.89, deepseek-v4-pro (7168) 2.20 -> 1.86
+(fifth session). grouped_gemm routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the
+epilogue's math (tl.sigmoid) took ~50k cycles a tile on the 4 epilogue warps (clock64 stamps), longer
+than a tile's K loop at H = 2048, and the Triton kernel was kept for H < 6144.
+Earlier versions, measured and replaced: the accumulator staged as fp32 in shared memory and the
+gate/up loads and output stores through pointers (1.32 ms qwen3-30b-a3b: the global accesses were not
+hidden, and the staging left room for 3 stages only); per-chunk TMA boxes with a barrier per chunk
+(1.73-1.89 ms), both with tl.sigmoid.
 
 Determinism is grouped_gemm's: one program writes each output element, the K loop has one
 order (BLOCK_K steps, wgmma), no atomics. The mbarrier waits need no time bound: every arrival
@@ -64,7 +63,7 @@ import torch
 import triton
 
 from ..schedule import Schedule, packed_index
-from . import common
+from . import common, swiglu
 
 # the Triton releases whose Gluon API this module was written and checked against
 GLUON_VERSIONS = ("3.6",)
@@ -91,9 +90,6 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.language import PropagateNan
-
-    _NAN: gl.constexpr = gl.constexpr(PropagateNan.ALL)  # torch's clamp keeps NaN (PTX min/max would drop it)
 
     @gluon.jit
     def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
@@ -138,34 +134,6 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         """Column chunk c ([BLOCK_M, EPI_N]) of a tile kept as two [BLOCK_M, BLOCK_N // 2] halves."""
         HALF_N: gl.constexpr = bufs.shape[2]
         return bufs.index(c * EPI_N // HALF_N).slice(c * EPI_N % HALF_N, EPI_N, dim=1)
-
-    @gluon.jit
-    def _swiglu_bwd_math(d_h_raw, pre_gate, pre_up, row_ok, rw, swiglu_limit, HAS_LIMIT: gl.constexpr):
-        """grouped_gemm._swiglu_bwd_chunk's operations on one chunk (its register layout; row_ok and rw in
-        the row slice): (d_gate, d_up, h_weighted) in bf16 and the chunk's d_rw row partials. Padding rows
-        read their pre-activations as zeros, as the Triton kernel's masked loads do."""
-        dtype: gl.constexpr = pre_gate.dtype
-        pre_gate = gl.where(row_ok[:, None], pre_gate.to(gl.float32), 0.0)
-        pre_up = gl.where(row_ok[:, None], pre_up.to(gl.float32), 0.0)
-        if HAS_LIMIT:
-            gate = gl.minimum(pre_gate, swiglu_limit, propagate_nan=_NAN)
-            up = gl.minimum(gl.maximum(pre_up, -swiglu_limit, propagate_nan=_NAN), swiglu_limit,
-                            propagate_nan=_NAN)
-        else:
-            gate = pre_gate
-            up = pre_up
-        sig = 1 / (1 + gl.exp(-gate))  # tl.sigmoid's definition: the Triton kernel's numbers exactly
-        silu = gate * sig
-        d_silu = sig * (1 + gate * (1 - sig))
-        if HAS_LIMIT:
-            d_silu = d_silu * (pre_gate <= swiglu_limit).to(gl.float32)
-        h = (silu * up).to(dtype).to(gl.float32)
-        d_rw_part = gl.sum(d_h_raw * h, axis=1)
-        d_h = d_h_raw * rw[:, None]
-        d_up = d_h * silu
-        if HAS_LIMIT:
-            d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(gl.float32)
-        return (d_h * up * d_silu).to(dtype), d_up.to(dtype), (h * rw[:, None]).to(dtype), d_rw_part
 
     @gluon.jit
     def _consumer(a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
@@ -236,9 +204,13 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                     gate_c = _chunk(epi_bufs, c, EPI_N)
                     up_c = _chunk(up_bufs, c, EPI_N)
                     d_h_raw = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True)
-                    d_gate, d_up, h_weighted, part = _swiglu_bwd_math(d_h_raw, gate_c.load(chunk_layout),
-                                                                      up_c.load(chunk_layout), row_ok, rw,
-                                                                      swiglu_limit, HAS_LIMIT)
+                    # padding rows read their pre-activations as zeros, as the Triton kernel's masked loads do
+                    pre_gate = gate_c.load(chunk_layout)
+                    pre_gate = gl.where(row_ok[:, None], pre_gate, gl.zeros_like(pre_gate))
+                    pre_up = up_c.load(chunk_layout)
+                    pre_up = gl.where(row_ok[:, None], pre_up, gl.zeros_like(pre_up))
+                    d_gate, d_up, h_weighted, part = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit,
+                                                                     HAS_LIMIT)
                     d_rw_part += part
                     gate_c.store(d_gate)
                     up_c.store(d_up)

@@ -1,0 +1,97 @@
+"""The SwiGLU math of the GEMM epilogues, written once for every kernel that runs it.
+
+The gate/up GEMM's epilogue (grouped_gemm, forward) stores h = silu(gate) * up; the down dgrad's
+epilogues (grouped_gemm's Triton kernel, warp_specialized's Gluon kernel) recompute that h and take
+the SwiGLU backward. All of them call these @triton.jit functions (Gluon kernels can call Triton
+functions), so they run the same operations: the backward sees bit for bit the h that the forward
+stored and fed to the down GEMM, and the two dgrad kernels agree bit for bit.
+
+sigmoid(x) = 1 / (1 + 2^(-x log2 e)) runs on the GPU as two special-function ops with subnormals
+flushed (`ex2.approx.ftz.f32`, `rcp.approx.ftz.f32`: ~2 ulp each), not as tl.sigmoid's exp and full-range
+division (`div.full.f32`): in the ping-pong dgrad's 4-warp epilogue those took ~50k cycles per 128x128
+tile (clock64 stamps), more than the tile's K loop. Measured on the H200 (Triton 3.6, sustained load, BENCHMARKS.md sixth session), ms, tl.sigmoid
+-> this: the ping-pong dgrad qwen3-30b-a3b 1.82 -> 0.92, qwen3.5-397b 1.06 -> 0.83, kimi-k2 1.73 -> 1.71;
+the gate/up + SwiGLU forward 1.65 -> 1.63, 1.53 -> 1.49, 3.21 -> 3.09. Its h is as close to torch's as
+tl.sigmoid's (relative error 1.1e-5). The hardware tanh (0.5 + 0.5 tanh(x / 2), one op, as quack computes
+SiLU) ran as fast but 9x further from torch (tanh.approx's relative error is 2^-11). The interpreter
+has no inline PTX and uses tl.sigmoid (the CPU tests compare against the fp64 reference).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import INTERPRET
+
+_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def sigmoid(x):
+    """fp32 sigmoid: ex2 and rcp special-function ops on the GPU (x = -inf .. inf gives 0 .. 1, NaN stays
+    NaN), tl.sigmoid in the interpreter."""
+    if _INTERPRET:
+        return tl.sigmoid(x)
+    else:
+        exp_neg = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
+                                            dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1 + exp_neg],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def clamp_gate(gate, limit):
+    """gate.clamp(max=limit); NaN stays NaN, as in torch (PTX min/max would drop it)."""
+    return tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def clamp_up(up, limit):
+    """up.clamp(-limit, limit); NaN stays NaN."""
+    return tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def forward(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """h = silu(gate) * up in fp32 from the stored (bf16-rounded) pre-activations, as stages.swiglu."""
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
+    if HAS_LIMIT:
+        gate = clamp_gate(gate, swiglu_limit)
+        up = clamp_up(up, swiglu_limit)
+    return gate * sigmoid(gate) * up
+
+
+@triton.jit
+def backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """SwiGLU backward of a [rows, cols] chunk of the down dgrad, as stages.down_dgrad_swiglu.
+
+    d_h_raw: fp32 d_y_rows @ w_down[e] (before the router weight); pre_gate, pre_up: the stored bf16
+    pre-activations (zeros on padding rows); rw: the rows' router weights. d_h = rw * d_h_raw,
+    d_gate = d_h * up * silu'(gate), d_up = d_h * silu(gate), no gradient through an active clamp.
+    Returns (d_gate, d_up, h_weighted) in bf16 (pre_gate's dtype) and the rows' d_rw partials
+    <d_h_raw, h> over these columns (fp32), with h recomputed exactly as `forward` stored it.
+    """
+    dtype = pre_gate.dtype
+    pre_gate = pre_gate.to(tl.float32)
+    pre_up = pre_up.to(tl.float32)
+    if HAS_LIMIT:
+        gate = clamp_gate(pre_gate, swiglu_limit)
+        up = clamp_up(pre_up, swiglu_limit)
+    else:
+        gate = pre_gate
+        up = pre_up
+    sig = sigmoid(gate)
+    silu = gate * sig
+    d_silu = sig * (1 + gate * (1 - sig))
+    if HAS_LIMIT:
+        d_silu = d_silu * (pre_gate <= swiglu_limit).to(tl.float32)
+    h = (silu * up).to(dtype).to(tl.float32)  # the h `forward` stored: (gate * sig) * up, rounded once
+    d_rw_part = tl.sum(d_h_raw * h, axis=1)
+    d_h = d_h_raw * rw[:, None]
+    d_up = d_h * silu
+    if HAS_LIMIT:
+        d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(tl.float32)
+    return (d_h * up * d_silu).to(dtype), d_up.to(dtype), (h * rw[:, None]).to(dtype), d_rw_part
