@@ -18,13 +18,15 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():  # before serval.kernels is imported (conftest.py does the same)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
 
 from serval import stages  # noqa: E402
-from serval.kernels import common, grouped_gemm, rows  # noqa: E402
+from serval.kernels import common, grouped_gemm, rows, swiglu  # noqa: E402
 from serval.schedule import build_schedule, dense_schedule  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not common.INTERPRET
@@ -393,3 +395,29 @@ def test_gpu_rows():
         assert rel_err(y, stages.combine(expert_out, case["router_weights"], schedule, shared)) < 1e-2
         d_x = run_twice(rows.sum_slots, expert_out, schedule, shared)
         assert rel_err(d_x, stages.sum_slots(expert_out, schedule, shared)) < 1e-2
+
+
+@triton.jit
+def _sigmoid_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, swiglu.sigmoid(x), mask=offsets < n)
+
+
+def test_swiglu_sigmoid():
+    """The epilogues' sigmoid (ex2 + rcp special-function ops on the GPU, tl.sigmoid in the interpreter) against
+    torch.sigmoid in fp64: a few ulps relative, plus the rounding of x * log2(e) in fp32 (|x| * 6e-8 relative)
+    on the GPU; absolute where fp32 underflows (subnormal results flush to zero); the ends exact, NaN kept."""
+    device = "cuda" if CUDA else "cpu"
+    x = torch.cat([torch.linspace(-100, 100, 20001), torch.randn(4000) * 4,
+                   torch.tensor([0.0, -0.0, 88.0, -88.0, 104.0, -104.0, 1e30, -1e30, float("inf"), float("-inf"),
+                                 float("nan")])]).to(device)
+    out = torch.full_like(x, -1.0)
+    _sigmoid_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    ref = torch.sigmoid(x.double())
+    finite = ~x.isnan()
+    err = (out[finite].double() - ref[finite]).abs()
+    tol = (1e-6 + 1e-7 * x[finite].double().abs().clamp(max=200)) * ref[finite] + 1e-30
+    assert (err <= tol).all(), err.max()
+    assert out[x == float("inf")].item() == 1.0 and out[x == float("-inf")].item() == 0.0
+    assert out[x.isnan()].isnan().all()
