@@ -227,10 +227,13 @@ def _rows_in(ops, tokens, schedule: Schedule, transport):
 
 def _rows_out(rows, schedule: Schedule, transport):
     """Where each token's k rows are read from for the slot-order sums: (rows, schedule) at EP=1;
-    at EP, this rank's slot buffer after every rank pushed its rows into their owners' slots."""
+    at EP, this rank's slot buffer after every rank pushed its rows into their owners' slots. The group's
+    schedule writes every slot (no zero fill needed; on a capacity overflow the cut rows' slots keep stale
+    values, in a step whose outputs are NaN-flagged anyway), and the caller sums the slots right away,
+    before the next push can reuse the buffer (no copy needed)."""
     if transport is None:
         return rows, schedule
-    slots = transport.push(rows, schedule.row_source)
+    slots = transport.push(rows, schedule.row_source, complete=True, copy=False)
     return slots, slot_schedule(transport.num_tokens, transport.top_k, rows.device)
 
 

@@ -86,6 +86,39 @@ def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplie
              nprocs=world_size, join=True)
 
 
+def push_worker(rank, world_size, init_file):
+    """The CPU transport's push: a partial layout zero-fills (default) or keeps stale slots (complete=True);
+    copy=False hands out the slot buffer itself."""
+    from serval.transport.cpu import SharedMemoryTransport
+    from test_transport_symm import make_layouts, reference_push
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        num_tokens, top_k, cols = 6, 2, 5
+        transport = SharedMemoryTransport(dist.group.WORLD, num_tokens, top_k)
+        layouts = make_layouts(world_size, num_tokens, top_k, seed=7, fill=0.6)
+        all_rows = [torch.randn(layout.numel(), cols, generator=torch.Generator().manual_seed(p))
+                    for p, layout in enumerate(layouts)]
+        expected = reference_push(all_rows, layouts, world_size, num_tokens * top_k)[rank]
+        first = transport.push(all_rows[rank], layouts[rank], copy=False)
+        assert torch.equal(first, expected)
+        first.fill_(7.0)  # stale contents: zeroed by the next push, kept by a complete one
+        second = transport.push(all_rows[rank], layouts[rank])
+        assert torch.equal(second, expected) and second.data_ptr() != first.data_ptr()
+        first.fill_(7.0)
+        third = transport.push(all_rows[rank], layouts[rank], complete=True, copy=False)
+        assert third.data_ptr() == first.data_ptr()
+        stale = reference_push(all_rows, layouts, world_size, num_tokens * top_k, fill_value=7.0)[rank]
+        assert torch.equal(third, stale)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cpu_transport_push_options(tmp_path):
+    mp.spawn(push_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_ep_bitwise_equals_ep1(world_size, tmp_path):
     run(world_size, tmp_path)

@@ -43,9 +43,15 @@ class Transport(Protocol):
     def pull(self, tokens: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
         """tokens [N, C] -> rows [R, C]: rows[r] = owner(r)'s tokens[token(r)]; zeros where row_source is -1."""
 
-    def push(self, rows: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
+    def push(self, rows: torch.Tensor, row_source: torch.Tensor, *, complete: bool = False,
+             copy: bool = True) -> torch.Tensor:
         """rows [R, C] -> slots [N * k, C]: rows go to the owners' slots (token * k + slot); returns this
-        rank's slots once every peer's rows have landed (the group's schedule writes every slot once)."""
+        rank's slots once every peer's rows have landed (a slot no row wrote is zero).
+
+        complete=True: the group's rows write every slot of every rank (the layer's schedule does), so the
+        zero fill is skipped. copy=False: the transport's slot buffer itself, valid until the next push of
+        the same [C, dtype] (every rank's next push starts with a barrier that waits for work queued before
+        it, so a consumer queued first is safe)."""
 
 
 def split_source(row_source: torch.Tensor, num_tokens: int, top_k: int):

@@ -69,12 +69,15 @@ class SharedMemoryTransport:
         self._barrier()  # every rank has read: the buffers may be reused
         return rows
 
-    def push(self, rows: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
+    def push(self, rows: torch.Tensor, row_source: torch.Tensor, *, complete: bool = False,
+             copy: bool = True) -> torch.Tensor:
         buffers = self._peer_buffers("slots", self.num_tokens * self.top_k, rows.shape[1], rows.dtype)
         owner, _, _, local_source = split_source(row_source, self.num_tokens, self.top_k)
-        self._barrier()  # the owners are done with the previous contents
+        if not complete:
+            buffers[self.rank].zero_()
+        self._barrier()  # the owners are done with the previous contents (and have zeroed them)
         for peer, buffer in enumerate(buffers):
             mine = owner == peer
             buffer[local_source[mine]] = rows[mine]  # each slot has exactly one writer in the group
         self._barrier()  # every row has landed
-        return buffers[self.rank].clone()
+        return buffers[self.rank].clone() if copy else buffers[self.rank]
