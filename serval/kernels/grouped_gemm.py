@@ -547,8 +547,9 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I], d_rw_rows [R] fp32), as stages.down_dgrad_swiglu.
     warp_specialized: run the GEMM on `warp_specialized`'s ping-pong kernel (its epilogue overlaps the other
     consumer's MMAs); default: WARP_SPECIALIZED, where that kernel takes the operands (sm_90, Triton 3.6,
-    bf16, TMA-aligned, H % 64 == 0) and neither config nor use_tma asks for this kernel's variants. Same d_gate_up and h_weighted bit for bit; d_rw_rows within float rounding (its row
-    sums run in another register layout), each deterministic.
+    bf16, TMA-aligned, H % 64 == 0) and neither config nor use_tma asks for this kernel's variants. Same
+    d_gate_up and h_weighted bit for bit; d_rw_rows within float rounding (its row sums run in another
+    register layout), each deterministic.
     """
     _check(d_y_rows, w_down, gate_up)
     if gate_up.shape != (schedule.num_packed, 2 * w_down.shape[2]):

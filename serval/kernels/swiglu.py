@@ -7,14 +7,15 @@ functions), so they run the same operations: the backward sees bit for bit the h
 stored and fed to the down GEMM, and the two dgrad kernels agree bit for bit.
 
 sigmoid(x) = 1 / (1 + 2^(-x log2 e)) runs on the GPU as two special-function ops with subnormals
-flushed (`ex2.approx.ftz.f32`, `rcp.approx.ftz.f32`: ~2 ulp each), not as tl.sigmoid's exp and full-range
-division (`div.full.f32`): in the ping-pong dgrad's 4-warp epilogue those took ~50k cycles per 128x128
-tile (clock64 stamps), more than the tile's K loop. Measured on the H200 (Triton 3.6, sustained load, BENCHMARKS.md sixth session), ms, tl.sigmoid
--> this: the ping-pong dgrad qwen3-30b-a3b 1.82 -> 0.92, qwen3.5-397b 1.06 -> 0.83, kimi-k2 1.73 -> 1.71;
-the gate/up + SwiGLU forward 1.65 -> 1.63, 1.53 -> 1.49, 3.21 -> 3.09. Its h is as close to torch's as
-tl.sigmoid's (relative error 1.1e-5). The hardware tanh (0.5 + 0.5 tanh(x / 2), one op, as quack computes
-SiLU) ran as fast but 9x further from torch (tanh.approx's relative error is 2^-11). The interpreter
-has no inline PTX and uses tl.sigmoid (the CPU tests compare against the fp64 reference).
+flushed (`ex2.approx.ftz.f32`, `rcp.approx.ftz.f32`: ~2 ulp each), not as tl.sigmoid's exp and
+full-range division (`div.full.f32`): in the ping-pong dgrad's 4-warp epilogue those took ~50k cycles
+per 128x128 tile (clock64 stamps), more than the tile's K loop. Measured on the H200 (Triton 3.6,
+sustained load, BENCHMARKS.md sixth session), ms, tl.sigmoid -> this: the ping-pong dgrad
+qwen3-30b-a3b 1.82 -> 0.92, qwen3.5-397b 1.06 -> 0.83, kimi-k2 1.73 -> 1.71; the gate/up + SwiGLU
+forward 1.65 -> 1.63, 1.53 -> 1.49, 3.21 -> 3.09. Its h is as close to torch's as tl.sigmoid's
+(relative error 1.1e-5). The hardware tanh (0.5 + 0.5 tanh(x / 2), one op, as quack computes SiLU)
+ran as fast but 9x further from torch (tanh.approx's relative error is 2^-11). The interpreter has
+no inline PTX and uses tl.sigmoid (the CPU tests compare against the fp64 reference).
 """
 
 from __future__ import annotations
