@@ -34,13 +34,16 @@ from serval.kernels import grouped_gemm as gg  # noqa: E402
 from serval.kernels import rows  # noqa: E402
 from serval.schedule import build_schedule  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_layer  # noqa: E402
+
 PEAK_TFLOPS = 793.0
 PEAK_TBPS = 4.2
 
-SHAPES = {
-    "kimi-k2": dict(hidden=7168, inter=2048, experts=12, top_k=8, tokens=4096),
-    "qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8, tokens=16384),
-}
+# the SPEC shapes (bench_layer's table); the default run takes the largest and the smallest expert
+SHAPES = {name: dict(hidden=h, inter=i, experts=e, top_k=k, tokens=n)
+          for name, (h, i, e, k, n, _) in bench_layer.SHAPES.items()}
+DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
 TINY_SHAPES = {"tiny": dict(hidden=64, inter=48, experts=4, top_k=2, tokens=40)}
 
 T = gg.TileConfig
@@ -88,9 +91,7 @@ def timer(tiny, soak=0.0):
             return (time.perf_counter() - start) * 1e3
         return run
     if soak > 0:  # the GPU at its power cap, as in training (bench_layer.time_ms); no L2 flush
-        from bench_layer import time_ms
-
-        return lambda fn: time_ms(fn, 3, 20, torch.device("cuda"), soak)
+        return lambda fn: bench_layer.time_ms(fn, 3, 20, torch.device("cuda"), soak)
     import triton.testing
 
     return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -282,7 +283,7 @@ def compile_only(selected=None) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes; runs in the CPU interpreter")
-    parser.add_argument("--shapes", nargs="*", default=None, help="subset of: " + ", ".join(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=None, help="default: " + " ".join(DEFAULT_SHAPES) + "; any of: " + " ".join(SHAPES))
     parser.add_argument("--stages", nargs="*", default=None, help="only these stages (default: all)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the GEMM configs for sm_90 and show registers and spills (no GPU needed)")
@@ -294,7 +295,7 @@ def main():
         compile_only(args.stages)
         return 0
     tiny = args.tiny or not torch.cuda.is_available()
-    shapes = TINY_SHAPES if tiny else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
+    shapes = TINY_SHAPES if tiny else {k: SHAPES[k] for k in args.shapes or DEFAULT_SHAPES}
     if not tiny:
         import triton
 

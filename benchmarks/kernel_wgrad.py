@@ -33,10 +33,11 @@ from serval import stages  # noqa: E402
 from serval.kernels import weight_grad as wg  # noqa: E402
 from serval.schedule import build_schedule  # noqa: E402
 
-SHAPES = {  # name: (H, I, E, k, N)
-    "kimi-k2": (7168, 2048, 12, 8, 4096),
-    "qwen3-30b-a3b": (2048, 768, 128, 8, 16384),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_layer  # noqa: E402
+
+SHAPES = {name: spec[:5] for name, spec in bench_layer.SHAPES.items()}  # name: (H, I, E, k, N), the SPEC shapes
+DEFAULT_SHAPES = "kimi-k2,qwen3-30b-a3b"
 TINY_SHAPES = {"tiny-a": (64, 48, 6, 2, 40), "tiny-b": (48, 32, 16, 4, 24)}
 
 
@@ -157,7 +158,8 @@ def compile_only(configs) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU interpreter smoke test on tiny shapes")
-    parser.add_argument("--shapes", default=None, help="comma list of " + ", ".join(SHAPES))
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma list (default {DEFAULT_SHAPES}) of " + ", ".join(SHAPES))
     parser.add_argument("--configs", default="128x256,128x256-nested,128x256s,256x128",
                         help="comma list of " + ", ".join(wg.CONFIGS) + " (or 'all')")
     parser.add_argument("--no-skew", action="store_true", help="skip the skewed-routing lines")
@@ -168,8 +170,8 @@ def main():
         return
 
     shapes = TINY_SHAPES if TINY else SHAPES
-    if args.shapes:
-        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    if args.shapes or not TINY:
+        shapes = {s: shapes[s] for s in (args.shapes or DEFAULT_SHAPES).split(",")}
     configs = list(wg.CONFIGS) if args.configs == "all" else args.configs.split(",")
     if TINY:  # the interpreter uses the table's small tiles whatever the name
         configs = ["auto"]

@@ -499,17 +499,27 @@ FUSED_GATHER = False
 
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *,
                    fused_gather: bool | None = None, a_rows: torch.Tensor | None = None,
-                   config: TileConfig | None = None, use_tma: bool | None = None):
+                   config: TileConfig | None = None, use_tma: bool | None = None,
+                   warp_specialized: bool | None = None):
     """Gather + grouped GEMM gate/up + SwiGLU: (gate_up packed [num_packed, 2I], h [R, I]), as stages.
 
     fused_gather: gather x rows inside the GEMM (A_GATHER) instead of a gather kernel + TMA reads of the
     gathered rows (default FUSED_GATHER). a_rows: the already gathered rows (= rows.gather(x, schedule)).
+    warp_specialized: the GEMM over the gathered rows on `warp_specialized`'s ping-pong kernel; default:
+    WARP_SPECIALIZED where that kernel takes the operands and no argument asks for this kernel's variants.
+    Bit for bit the same gate_up and h either way.
     """
     _check(x, w_gate, w_up)
     num_rows, (_, inter, hidden) = schedule.capacity, w_gate.shape
     fused = FUSED_GATHER if fused_gather is None else fused_gather
     if a_rows is None and not fused:
         a_rows = gather_rows(x, schedule)
+    if warp_specialized is None:
+        warp_specialized = (WARP_SPECIALIZED and config is None and use_tma is None and a_rows is not None
+                            and warp_specialized_kernel.takes(schedule, a_rows, w_gate, w_up, split_at=inter))
+    if warp_specialized:
+        return warp_specialized_kernel.gate_up_swiglu(a_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(),
+                                                      schedule, swiglu_limit)
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
     h = common.empty((num_rows, inter), x.dtype, x.device)
     a = a_rows if a_rows is not None else x
@@ -560,7 +570,8 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     router_weights = router_weights.contiguous().view(-1).float()
     if warp_specialized is None:
         warp_specialized = (WARP_SPECIALIZED and config is None and use_tma is None
-                            and warp_specialized_kernel.takes(schedule, d_y_rows, w_down, gate_up, k=hidden))
+                            and warp_specialized_kernel.takes(schedule, d_y_rows, w_down, gate_up, k=hidden,
+                                                              split_at=inter))
     if warp_specialized:
         d_gate_up, h_weighted, d_rw_partial = warp_specialized_kernel.down_dgrad_swiglu_partials(
             d_y_rows.contiguous(), w_down.contiguous(), gate_up.contiguous(), router_weights, schedule, swiglu_limit)
