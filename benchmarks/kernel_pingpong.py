@@ -1,7 +1,7 @@
 """Check and time the warp-specialised ping-pong grouped GEMM (serval.kernels.warp_specialized) against
 serval's one-role Triton kernel (serval.kernels.grouped_gemm), stage by stage, on the H200.
 
-    python benchmarks/kernel_pingpong.py [--soak 1] [--shapes qwen3-30b-a3b kimi-k2] [--forward-variants 4/2,3/2]
+    python benchmarks/kernel_pingpong.py [--soak 1] [--shapes qwen3-30b-a3b kimi-k2] [--forward-variants 4/0,4/1,3/1]
 
 Checks first, on small cases that put several tiles on each program and consumer (three experts, a ring
 shorter than the K loop, a tile of padding rows, partial tiles) and then on each SPEC shape: the ping-pong
@@ -44,11 +44,13 @@ def compare_dgrad(args, limit):
     return same, d_rw_err
 
 
-def compare_forward(x_rows, w_gate, w_up, schedule, limit, **kw):
-    """Whether the ping-pong gate/up + SwiGLU gives the Triton kernel's gate_up (packed) and h bit for bit."""
+def compare_forward(x, w_gate, w_up, schedule, limit, **kw):
+    """Whether the ping-pong gate/up + SwiGLU (over x's gathered rows, or gathering them with gather=True) gives
+    the Triton kernel's gate_up (packed) and h bit for bit."""
     used = schedule.row_source >= 0
-    got = ws.gate_up_swiglu(x_rows, w_gate, w_up, schedule, limit, **kw)
-    ref = gg.gate_up_swiglu(x_rows, w_gate, w_up, schedule, limit, a_rows=x_rows, warp_specialized=False)
+    x_rows = gather_rows(x, schedule)
+    got = ws.gate_up_swiglu(x if kw.get("gather") else x_rows, w_gate, w_up, schedule, limit, **kw)
+    ref = gg.gate_up_swiglu(x, w_gate, w_up, schedule, limit, a_rows=x_rows, warp_specialized=False)
     return torch.equal(got[0], ref[0]) and torch.equal(got[1][used], ref[1][used])
 
 
@@ -68,11 +70,12 @@ def check_small():
         same = torch.equal(ws.down(h, w, schedule, **kw)[used], ref)
         print(f"small down {kw}: {'bitwise equal' if same else 'MISMATCH'}")
         ok &= same
-    x_rows = torch.randn(schedule.capacity, H, device="cuda").to(torch.bfloat16)
+    x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
     w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2))
-    for kw in (dict(stages=3), dict(stages=4, epi_split=1), dict(stages=4, epi_split=4)):
+    for kw in (dict(stages=3), dict(stages=4, epi_split=1), dict(gather=True), dict(gather=True, stages=3),
+               dict(gather=True, stages=2)):
         for limit in (None, 0.5):
-            same = compare_forward(x_rows, w_gate, w_up, schedule, limit, **kw)
+            same = compare_forward(x, w_gate, w_up, schedule, limit, **kw)
             print(f"small gate/up+swiglu {kw} swiglu_limit={limit}: {'bitwise equal' if same else 'MISMATCH'}")
             ok &= same
     args = dgrad_inputs(schedule, H, I, N, k)
@@ -89,7 +92,8 @@ def main():
     parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "kimi-k2"])
     parser.add_argument("--soak", type=float, default=1.0)
     parser.add_argument("--forward-variants", type=lambda v: [tuple(map(int, p.split("/"))) for p in v.split(",")],
-                        default=[(4, 2)], help="ping-pong gate/up + SwiGLU configs to time: stages/epi_split,...")
+                        default=[(4, 0), (4, 1)],
+                        help="ping-pong gate/up + SwiGLU variants to time: stages/gather (0 or 1),...")
     args = parser.parse_args()
     if not ws.available():
         print(f"kernel_pingpong: needs an sm_90 GPU and Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
@@ -115,15 +119,19 @@ def main():
         same, err = compare_dgrad(dgrad_args, None)
         print(f"{name} dgrad: d_gate_up, h_weighted {'bitwise equal' if same else 'MISMATCH'}, d_rw rel err {err:.1e}")
         ok &= same and err < 1e-5
-        x_rows = gather_rows(data["x"], schedule)
-        fwd_args = (x_rows, data["w_gate"], data["w_up"], schedule, None)
-        same = compare_forward(*fwd_args)
-        print(f"{name} gate/up+swiglu: {'bitwise equal' if same else 'MISMATCH'}")
-        ok &= same
+        fwd_args = (data["x"], data["w_gate"], data["w_up"], schedule, None)
+        for gather in (False, True):
+            same = compare_forward(*fwd_args, gather=gather)
+            print(f"{name} gate/up+swiglu gather={gather}: {'bitwise equal' if same else 'MISMATCH'}")
+            ok &= same
+        # each with its gather: a gather pass, or (pp gather) inside the ping-pong loader
         variants = {
-            ("gate/up+swiglu", "triton"): lambda: gg.gate_up_swiglu(*fwd_args, a_rows=x_rows, warp_specialized=False),
-            **{("gate/up+swiglu", f"pp s{st} e{sp}"): (lambda st=st, sp=sp: ws.gate_up_swiglu(
-                *fwd_args, stages=st, epi_split=sp)) for st, sp in args.forward_variants},
+            ("gate/up+swiglu", "triton"): lambda: gg.gate_up_swiglu(*fwd_args, warp_specialized=False),
+            **{("gate/up+swiglu", f"pp{' gather' if g else ''} s{st}"): (
+                lambda st=st, g=g: gg.gate_up_swiglu(*fwd_args, warp_specialized=True, fused_gather=bool(g)) if st == 4
+                else ws.gate_up_swiglu(data["x"] if g else gather_rows(data["x"], schedule), *fwd_args[1:],
+                                       stages=st, gather=bool(g)))
+               for st, g in args.forward_variants},
             ("down", "triton"): lambda: gg.down(h, data["w_down"], schedule),
             ("down", "ping-pong"): lambda: ws.down(h, data["w_down"], schedule),
             ("dgrad+swiglu", "triton"): lambda: gg.down_dgrad_swiglu(*dgrad_args, None, warp_specialized=False),

@@ -26,7 +26,7 @@ def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
     schedule = build_schedule(topk, num_experts, 128)
     randn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
     return dict(schedule=schedule, h=randn(schedule.capacity, inter), d_y_rows=randn(schedule.capacity, hidden),
-                x_rows=randn(schedule.capacity, hidden), w_gate=randn(num_experts, inter, hidden, scale=hidden**-0.5),
+                x=randn(num_tokens, hidden), w_gate=randn(num_experts, inter, hidden, scale=hidden**-0.5),
                 w_up=randn(num_experts, inter, hidden, scale=hidden**-0.5),
                 w_down=randn(num_experts, hidden, inter, scale=inter**-0.5),
                 gate_up=randn(schedule.num_packed, 2 * inter),
@@ -44,15 +44,16 @@ CASES = {  # several tiles per consumer; a partial last N-tile (inter 200, hidde
 @pytest.mark.parametrize("limit", [None, 0.75])
 @pytest.mark.parametrize("name", CASES)
 def test_gate_up_swiglu_bitwise(name, limit):
-    """The packed gate_up (full tiles by TMA, partial ones by pointer stores: every packed row) and h."""
+    """The packed gate_up (full tiles by TMA, partial ones by pointer stores: every packed row) and h, with x's
+    rows gathered by a gather pass or by the loader (cp.async)."""
     c = case(**CASES[name])
     used = c["schedule"].row_source >= 0
-    args = (c["x_rows"], c["w_gate"], c["w_up"], c["schedule"], limit)
-    got = grouped_gemm.gate_up_swiglu(*args, a_rows=c["x_rows"], warp_specialized=True)
-    ref = grouped_gemm.gate_up_swiglu(*args, a_rows=c["x_rows"], warp_specialized=False)
-    again = warp_specialized.gate_up_swiglu(*args)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[0], again[0])
-    assert torch.equal(got[1][used], ref[1][used]) and torch.equal(got[1][used], again[1][used])
+    args = (c["x"], c["w_gate"], c["w_up"], c["schedule"], limit)
+    ref = grouped_gemm.gate_up_swiglu(*args, warp_specialized=False, fused_gather=False)
+    for fused in (False, True, True):  # the second fused run: run to run
+        got = grouped_gemm.gate_up_swiglu(*args, warp_specialized=True, fused_gather=fused)
+        assert torch.equal(got[0], ref[0]), fused
+        assert torch.equal(got[1][used], ref[1][used]), fused
 
 
 @pytest.mark.parametrize("name", CASES)

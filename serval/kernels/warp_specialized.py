@@ -82,6 +82,7 @@ def available() -> bool:
 if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -93,12 +94,20 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
 
     @gluon.jit
     def _loader(a_desc, w_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
-                num_m_tiles, num_n_tiles, N_OUT, K, W_NK: gl.constexpr, EPILOGUE: gl.constexpr,
-                GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
+                num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, W_NK: gl.constexpr,
+                EPILOGUE: gl.constexpr, A_GATHER: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         DUAL: gl.constexpr = EPILOGUE == "swiglu_fwd"  # B = [w_gate tile; w_up tile], each BLOCK_N // 2 rows
         TILE_N: gl.constexpr = BLOCK_N // 2 if DUAL else BLOCK_N  # output columns per tile
+        # A_GATHER: the A tile's rows are x rows (token = row_source // top_k, zeros on padding rows) copied by
+        # this partition's threads (cp.async, 16 bytes each); each thread's copies arrive on ready[slot] when
+        # they land (cp.async.mbarrier.arrive.noinc: no thread waits for them)
+        VEC: gl.constexpr = 128 // a_desc.dtype.primitive_bitwidth  # 16-byte copies
+        gather_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BLOCK_K, BLOCK_K // VEC],
+                                                       [gl.num_warps(), 1], [1, 0])
+        w_bytes: gl.constexpr = (2 if DUAL else 1) * w_desc.block_type.nbytes
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
         for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
@@ -106,11 +115,24 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             m0 = m_tile * BLOCK_M
             n0 = n_tile * TILE_N
             expert = gl.load(tile_expert_ptr + m0 // sched_block_m)
+            if A_GATHER:
+                source = gl.load(row_source_ptr + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout)))
+                row_ok = source >= 0
+                x_rows = x_ptr + gl.where(row_ok, source // top_k, 0).to(gl.int64) * K
+                cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))
             for kk in range(k_steps):
                 slot = count % STAGES
                 mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + (2 if DUAL else 1) * w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
+                if A_GATHER:
+                    mbarrier.expect(ready.index(slot), w_bytes)
+                    k_cols = kk * BLOCK_K + cols
+                    async_copy.async_copy_global_to_shared(
+                        a_bufs.index(slot), x_rows[:, None] + k_cols[None, :],
+                        mask=row_ok[:, None] & (k_cols < K)[None, :])
+                    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                else:
+                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_bytes)
+                    tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
                 if DUAL:
                     w_slot = w_bufs.index(slot)
                     w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
@@ -148,7 +170,8 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
     def _consumer(a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
                   up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, row_source_ptr,
                   packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                  CONSUMER: gl.constexpr, W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  CONSUMER: gl.constexpr, W_NK: gl.constexpr, EPILOGUE: gl.constexpr, A_GATHER: gl.constexpr,
+                  HAS_LIMIT: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -182,6 +205,8 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             for kk in range(k_steps):
                 slot = count % STAGES
                 mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+                if A_GATHER:  # A came by cp.async (generic proxy); wgmma reads it through the async proxy
+                    fence_async_shared()
                 if W_NK:
                     b = w_bufs.index(slot).permute((1, 0))
                 else:
@@ -322,11 +347,11 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
     @gluon.jit
     def _pingpong_kernel(a_desc, w_desc, w1_desc, c_desc, up_desc, dg_desc, du_desc, hw_desc, tile_expert_ptr,
                          expert_offsets_ptr, num_experts, sched_block_m, N_OUT, K, row_source_ptr, packed_ptr,
-                         gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                         W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                         gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, x_ptr, top_k,
+                         W_NK: gl.constexpr, EPILOGUE: gl.constexpr, A_GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr,
                          EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """"store": c_desc is C [R, N_OUT]. "swiglu_bwd": c_desc / up_desc the packed gate / up halves
         [num_packed, N_OUT], dg_desc / du_desc the d_gate / d_up halves of d_gate_up [R, N_OUT], hw_desc
         h_weighted [R, N_OUT], all in [BLOCK_M, BLOCK_N // 2] boxes."""
@@ -365,8 +390,8 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             mbarrier.init(epi_ready, count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(STAGES):  # ready: the expect of the TMA bytes, and each gathering thread's arrival
+            mbarrier.init(ready.index(i), count=1 + (LOADER_WARPS * 32 if A_GATHER else 0))
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
 
@@ -378,17 +403,17 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
                          up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K,
                          row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                         0, W_NK, EPILOGUE, HAS_LIMIT,
+                         0, W_NK, EPILOGUE, A_GATHER, HAS_LIMIT,
                          EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
                          up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K,
                          row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                         1, W_NK, EPILOGUE, HAS_LIMIT,
+                         1, W_NK, EPILOGUE, A_GATHER, HAS_LIMIT,
                          EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
             (_loader, (a_desc, w_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m,
-                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, W_NK, EPILOGUE, GROUP_M, STAGES, NUM_PROGRAMS,
-                       BLOCK_N)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, W_NK, EPILOGUE,
+                       A_GATHER, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -400,16 +425,19 @@ def _descriptor(t: torch.Tensor, block: list):
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block)))
 
 
-# maxnreg 168 x 12 warps fills the register file; setmaxnreg then gives the consumers 232 each, the loader 40
-_LAUNCH = dict(num_warps=4, maxnreg=168)
+# maxnreg 168 x 12 warps fills the register file; setmaxnreg then gives the consumers 232 each, the loader 40.
+# The loader is one warp, or four where it gathers A (8 rows a thread; warp groups are padded to 4 warps
+# anyway: the kernel has 12 warps either way).
+_LAUNCH = dict(num_warps=4, maxnreg=168, CONSUMER_REGS=232, LOADER_REGS=40)
 
 
 def _launch(*, a, w2d, w_nk, schedule: Schedule, n_out: int, k: int, epilogue: str, block_n: int, block_k: int,
-            stages: int, out_views, w1_2d=None, epi_split: int = 1, group_m: int = 8, swiglu_limit=None, packed=None,
-            gate_up=None, router_weights=None, d_rw_partial=None):
+            stages: int, out_views, w1_2d=None, a_gather=False, epi_split: int = 1, group_m: int = 8,
+            swiglu_limit=None, packed=None, gate_up=None, router_weights=None, d_rw_partial=None):
     """out_views: "store", (C,); "swiglu_fwd", (gate, up, h); "swiglu_bwd", (gate, up, d_gate, d_up, h_weighted),
     each [rows, n_out]. "swiglu_fwd" takes the two weights w2d (gate) and w1_2d (up) and block_n = the width of
-    the [gate | up] accumulator; its tiles cover block_n // 2 columns of each output."""
+    the [gate | up] accumulator; its tiles cover block_n // 2 columns of each output. a_gather: a is the token
+    tensor x [N, k], its rows gathered into the A tiles by the loader (schedule.row_source)."""
     block_m = 128
     tile_n = block_n // 2 if epilogue == "swiglu_fwd" else block_n
     num_n_tiles = triton.cdiv(n_out, tile_n)
@@ -428,9 +456,10 @@ def _launch(*, a, w2d, w_nk, schedule: Schedule, n_out: int, k: int, epilogue: s
         schedule.row_source, packed if packed is not None else dummy, gate_up if gate_up is not None else dummy,
         router_weights if router_weights is not None else dummy,
         d_rw_partial if d_rw_partial is not None else dummy,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        W_NK=w_nk, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=group_m,
-        STAGES=stages, NUM_PROGRAMS=num_programs, BLOCK_N=block_n, CONSUMER_REGS=232, LOADER_REGS=40, **_LAUNCH)
+        float(swiglu_limit) if swiglu_limit is not None else 0.0, a, schedule.top_k,
+        W_NK=w_nk, EPILOGUE=epilogue, A_GATHER=a_gather, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split,
+        GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=num_programs, BLOCK_N=block_n,
+        LOADER_WARPS=4 if a_gather else 1, **_LAUNCH)
 
 
 def takes(schedule: Schedule, *tensors: torch.Tensor, k: int | None = None, block_k: int = 64,
@@ -457,17 +486,18 @@ def down(h, w_down, schedule: Schedule, *, block_n=128, block_k=64, stages=4):
     return out
 
 
-def gate_up_swiglu(x_rows, w_gate, w_up, schedule: Schedule, swiglu_limit, *, block_n=128, block_k=64, stages=4,
-                   epi_split=2):
-    """grouped_gemm.gate_up_swiglu's GEMM over the gathered rows x_rows [R, H] on the ping-pong kernel: (gate_up
-    packed [num_packed, 2I], h [R, I]). Each tile is [gate | up] of block_n // 2 intermediate columns, one
-    accumulator (B = the w_gate tile over the w_up tile), so the SwiGLU pairs sit in the same thread."""
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather=False, block_n=128, block_k=64,
+                   stages=4, epi_split=2):
+    """grouped_gemm.gate_up_swiglu's GEMM on the ping-pong kernel: (gate_up packed [num_packed, 2I], h [R, I]).
+    x: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader (cp.async).
+    Each tile is [gate | up] of block_n // 2 intermediate columns, one accumulator (B = the w_gate tile over
+    the w_up tile), so the SwiGLU pairs sit in the same thread."""
     num_experts, inter, hidden = w_gate.shape
-    gate_up = common.empty((schedule.num_packed, 2 * inter), x_rows.dtype, x_rows.device)
-    h = common.empty((schedule.capacity, inter), x_rows.dtype, x_rows.device)
-    _launch(a=x_rows, w2d=w_gate.view(num_experts * inter, hidden), w1_2d=w_up.view(num_experts * inter, hidden),
+    gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
+    h = common.empty((schedule.capacity, inter), x.dtype, x.device)
+    _launch(a=x, w2d=w_gate.view(num_experts * inter, hidden), w1_2d=w_up.view(num_experts * inter, hidden),
             w_nk=True, schedule=schedule, n_out=inter, k=hidden, epilogue="swiglu_fwd", block_n=block_n,
-            block_k=block_k, stages=stages, out_views=(gate_up[:, :inter], gate_up[:, inter:], h),
+            block_k=block_k, stages=stages, out_views=(gate_up[:, :inter], gate_up[:, inter:], h), a_gather=gather,
             epi_split=epi_split, swiglu_limit=swiglu_limit, packed=packed_index(schedule), gate_up=gate_up)
     return gate_up, h
 
