@@ -1,12 +1,11 @@
 """Check and time the warp-specialised ping-pong grouped GEMM (serval.kernels.warp_specialized) against
 serval's one-role Triton kernel (serval.kernels.grouped_gemm), stage by stage, on the H200.
 
-    python benchmarks/kernel_pingpong.py [--soak 1] [--shapes qwen3-30b-a3b kimi-k2] [--forward-variants 4/0,4/1,3/1]
+    python benchmarks/kernel_pingpong.py [--soak 1] [--shapes qwen3-30b-a3b kimi-k2]   # sm_90, Triton 3.6
 
 Checks first, on small cases that put several tiles on each program and consumer (three experts, a ring
-shorter than the K loop, a tile of padding rows, partial tiles) and then on each SPEC shape: the ping-pong
-gate/up + SwiGLU (gate_up, h), `down` and the dgrad's d_gate_up / h_weighted must equal the Triton kernel's
-bit for bit (same fp32 accumulation order, same
+shorter than the K loop, a tile of padding rows) and then on each SPEC shape: the ping-pong `down` and the
+dgrad's d_gate_up / h_weighted must equal the Triton kernel's bit for bit (same fp32 accumulation order, same
 epilogue operations); the router-weight gradient within float rounding (its row sums run in another register
 layout). Then times both kernels of each stage (bench_layer's sustained-load protocol with --soak). Prints
 "not run" where the ping-pong kernel is not available (no sm_90 GPU, another Triton release).
@@ -22,7 +21,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from serval.kernels import grouped_gemm as gg  # noqa: E402
 from serval.kernels import warp_specialized as ws  # noqa: E402
-from serval.kernels.rows import gather as gather_rows  # noqa: E402
 
 
 def dgrad_inputs(schedule, hidden, inter, num_tokens, top_k, seed=0):
@@ -44,16 +42,6 @@ def compare_dgrad(args, limit):
     return same, d_rw_err
 
 
-def compare_forward(x, w_gate, w_up, schedule, limit, **kw):
-    """Whether the ping-pong gate/up + SwiGLU (over x's gathered rows, or gathering them with gather=True) gives
-    the Triton kernel's gate_up (packed) and h bit for bit."""
-    used = schedule.row_source >= 0
-    x_rows = gather_rows(x, schedule)
-    got = ws.gate_up_swiglu(x if kw.get("gather") else x_rows, w_gate, w_up, schedule, limit, **kw)
-    ref = gg.gate_up_swiglu(x, w_gate, w_up, schedule, limit, a_rows=x_rows, warp_specialized=False)
-    return torch.equal(got[0], ref[0]) and torch.equal(got[1][used], ref[1][used])
-
-
 def check_small():
     from serval.schedule import build_schedule
 
@@ -70,14 +58,6 @@ def check_small():
         same = torch.equal(ws.down(h, w, schedule, **kw)[used], ref)
         print(f"small down {kw}: {'bitwise equal' if same else 'MISMATCH'}")
         ok &= same
-    x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
-    w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2))
-    for kw in (dict(stages=3), dict(stages=4, epi_split=1), dict(gather=True), dict(gather=True, stages=3),
-               dict(gather=True, stages=2)):
-        for limit in (None, 0.5):
-            same = compare_forward(x, w_gate, w_up, schedule, limit, **kw)
-            print(f"small gate/up+swiglu {kw} swiglu_limit={limit}: {'bitwise equal' if same else 'MISMATCH'}")
-            ok &= same
     args = dgrad_inputs(schedule, H, I, N, k)
     for limit in (None, 0.5):
         same, err = compare_dgrad(args, limit)
@@ -91,9 +71,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "kimi-k2"])
     parser.add_argument("--soak", type=float, default=1.0)
-    parser.add_argument("--forward-variants", type=lambda v: [tuple(map(int, p.split("/"))) for p in v.split(",")],
-                        default=[(4, 0), (4, 1)],
-                        help="ping-pong gate/up + SwiGLU variants to time: stages/gather (0 or 1),...")
     args = parser.parse_args()
     if not ws.available():
         print(f"kernel_pingpong: needs an sm_90 GPU and Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
@@ -119,19 +96,7 @@ def main():
         same, err = compare_dgrad(dgrad_args, None)
         print(f"{name} dgrad: d_gate_up, h_weighted {'bitwise equal' if same else 'MISMATCH'}, d_rw rel err {err:.1e}")
         ok &= same and err < 1e-5
-        fwd_args = (data["x"], data["w_gate"], data["w_up"], schedule, None)
-        for gather in (False, True):
-            same = compare_forward(*fwd_args, gather=gather)
-            print(f"{name} gate/up+swiglu gather={gather}: {'bitwise equal' if same else 'MISMATCH'}")
-            ok &= same
-        # each with its gather: a gather pass, or (pp gather) inside the ping-pong loader
         variants = {
-            ("gate/up+swiglu", "triton"): lambda: gg.gate_up_swiglu(*fwd_args, warp_specialized=False),
-            **{("gate/up+swiglu", f"pp{' gather' if g else ''} s{st}"): (
-                lambda st=st, g=g: gg.gate_up_swiglu(*fwd_args, warp_specialized=True, fused_gather=bool(g)) if st == 4
-                else ws.gate_up_swiglu(data["x"] if g else gather_rows(data["x"], schedule), *fwd_args[1:],
-                                       stages=st, gather=bool(g)))
-               for st, g in args.forward_variants},
             ("down", "triton"): lambda: gg.down(h, data["w_down"], schedule),
             ("down", "ping-pong"): lambda: ws.down(h, data["w_down"], schedule),
             ("dgrad+swiglu", "triton"): lambda: gg.down_dgrad_swiglu(*dgrad_args, None, warp_specialized=False),
@@ -139,10 +104,9 @@ def main():
         }
         for (stage, label), fn in variants.items():
             ms = run_timed(fn)
-            stage_flops = 2 * flops if stage == "gate/up+swiglu" else flops
-            table.append(f"{name:14s} {stage:14s} {label:10s} {ms:7.3f} ms {stage_flops / ms / 1e9:6.1f} TFLOP/s")
+            table.append(f"{name:14s} {stage:13s} {label:10s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
             print(table[-1], flush=True)
-    print("\n".join(["", "shape          stage          kernel          ms    TFLOP/s"] + table))
+    print("\n".join(["", "shape          stage         kernel          ms    TFLOP/s"] + table))
     print("all checks passed" if ok else "CHECK FAILED: MISMATCH")
     return 0 if ok else 1
 

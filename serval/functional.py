@@ -239,8 +239,7 @@ def _rows_out(rows, schedule: Schedule, transport):
 
 def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_limit, transport):
     """Pre-activations and h of the routed experts and of the shared expert."""
-    # at EP=1 the GEMM gathers x's rows itself (a gather pass, or inside its loads)
-    x_rows = None if transport is None else transport.pull(x, schedule.row_source)
+    x_rows = _rows_in(ops, x, schedule, transport)
     gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, a_rows=x_rows)
     shared_gate_up = shared_h = None
     if shared is not None:

@@ -491,43 +491,29 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
     )
 
 
-# The forward's A operand, gathered inside the GEMM or by a gather pass first, per kernel (key: warp-specialised).
-# This kernel: ENVIRONMENT.md measured gather kernel + TMA GEMM (673 / 550 TFLOP/s with the gather, kimi / qwen3)
-# ahead of the gather fused into the GEMM's pointer loads (588 / 514); the layer within 0.2% (fourth session).
-# The ping-pong kernel: TBD.
-FUSED_GATHER = {False: False, True: True}
+# Forward A operand: ENVIRONMENT.md measured gather kernel + TMA GEMM (673 / 550 TFLOP/s with the gather,
+# kimi / qwen3) ahead of the gather fused into the GEMM's pointer loads (588 / 514); re-measured by
+# benchmarks/kernel_stages.py.
+FUSED_GATHER = False
 
 
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *,
                    fused_gather: bool | None = None, a_rows: torch.Tensor | None = None,
-                   config: TileConfig | None = None, use_tma: bool | None = None,
-                   warp_specialized: bool | None = None):
+                   config: TileConfig | None = None, use_tma: bool | None = None):
     """Gather + grouped GEMM gate/up + SwiGLU: (gate_up packed [num_packed, 2I], h [R, I]), as stages.
 
-    a_rows: the already gathered rows (= rows.gather(x, schedule)), or None: x's rows are gathered here.
-    warp_specialized: run the GEMM on `warp_specialized`'s ping-pong kernel; default: WARP_SPECIALIZED where
-    that kernel takes the operands and neither config nor use_tma asks for this kernel's variants.
-    fused_gather: gather x's rows inside the GEMM's A loads (the ping-pong loader's cp.async, this kernel's
-    pointer loads) rather than in a gather pass before it; default: FUSED_GATHER for the kernel that runs.
-    Bit for bit the same gate_up and h every way.
+    fused_gather: gather x rows inside the GEMM (A_GATHER) instead of a gather kernel + TMA reads of the
+    gathered rows (default FUSED_GATHER). a_rows: the already gathered rows (= rows.gather(x, schedule)).
     """
     _check(x, w_gate, w_up)
     num_rows, (_, inter, hidden) = schedule.capacity, w_gate.shape
-    if warp_specialized is None:
-        warp_specialized = (WARP_SPECIALIZED and config is None and use_tma is None
-                            and warp_specialized_kernel.takes(schedule, x if a_rows is None else a_rows, w_gate,
-                                                              w_up, split_at=inter))
-    if fused_gather is None:
-        fused_gather = FUSED_GATHER[warp_specialized]
-    if a_rows is None and not fused_gather:
+    fused = FUSED_GATHER if fused_gather is None else fused_gather
+    if a_rows is None and not fused:
         a_rows = gather_rows(x, schedule)
-    a = (a_rows if a_rows is not None else x).contiguous()
-    if warp_specialized:
-        return warp_specialized_kernel.gate_up_swiglu(a, w_gate.contiguous(), w_up.contiguous(), schedule,
-                                                      swiglu_limit, gather=a_rows is None)
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
     h = common.empty((num_rows, inter), x.dtype, x.device)
-    _launch(a=a, weights=(w_gate.contiguous(), w_up.contiguous()), out=gate_up, h=h,
+    a = a_rows if a_rows is not None else x
+    _launch(a=a.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=gate_up, h=h,
             schedule=schedule, n_out=inter, k=hidden, a_gather=a_rows is None, w_nk=True, k_split=False,
             epilogue="swiglu_fwd", config=config or default_config("gate_up_swiglu", x.dtype), use_tma=use_tma,
             swiglu_limit=swiglu_limit, packed=packed_index(schedule))

@@ -82,7 +82,6 @@ def available() -> bool:
 if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -93,58 +92,28 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     @gluon.jit
-    def _loader(a_desc, w_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
-                num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, W_NK: gl.constexpr,
-                EPILOGUE: gl.constexpr, A_GATHER: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
+                num_m_tiles, num_n_tiles, N_OUT, K, W_NK: gl.constexpr, GROUP_M: gl.constexpr,
+                STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        DUAL: gl.constexpr = EPILOGUE == "swiglu_fwd"  # B = [w_gate tile; w_up tile], each BLOCK_N // 2 rows
-        TILE_N: gl.constexpr = BLOCK_N // 2 if DUAL else BLOCK_N  # output columns per tile
-        # A_GATHER: the A tile's rows are x rows (token = row_source // top_k, zeros on padding rows) copied by
-        # this partition's threads (cp.async, 16 bytes each); each thread's copies arrive on ready[slot] when
-        # they land (cp.async.mbarrier.arrive.noinc: no thread waits for them)
-        VEC: gl.constexpr = 128 // a_desc.dtype.primitive_bitwidth  # 16-byte copies
-        gather_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BLOCK_K, BLOCK_K // VEC],
-                                                       [gl.num_warps(), 1], [1, 0])
-        w_bytes: gl.constexpr = (2 if DUAL else 1) * w_desc.block_type.nbytes
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
         for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
             m0 = m_tile * BLOCK_M
-            n0 = n_tile * TILE_N
+            n0 = n_tile * BLOCK_N
             expert = gl.load(tile_expert_ptr + m0 // sched_block_m)
-            if A_GATHER:
-                source = gl.load(row_source_ptr + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout)))
-                row_ok = source >= 0
-                x_rows = x_ptr + gl.where(row_ok, source // top_k, 0).to(gl.int64) * K
-                cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))
             for kk in range(k_steps):
                 slot = count % STAGES
                 mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-                if A_GATHER:
-                    mbarrier.expect(ready.index(slot), w_bytes)
-                    k_cols = kk * BLOCK_K + cols
-                    async_copy.async_copy_global_to_shared(
-                        a_bufs.index(slot), x_rows[:, None] + k_cols[None, :],
-                        mask=row_ok[:, None] & (k_cols < K)[None, :])
-                    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-                else:
-                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_bytes)
-                    tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
-                if DUAL:
-                    w_slot = w_bufs.index(slot)
+                mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
+                if W_NK:
                     w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
-                    tma.async_copy_global_to_shared(w_desc, w_coords, ready.index(slot), w_slot.slice(0, TILE_N))
-                    tma.async_copy_global_to_shared(w1_desc, w_coords, ready.index(slot),
-                                                    w_slot.slice(TILE_N, TILE_N))
                 else:
-                    if W_NK:
-                        w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
-                    else:
-                        w_coords = [expert * K + kk * BLOCK_K, n0]
-                    tma.async_copy_global_to_shared(w_desc, w_coords, ready.index(slot), w_bufs.index(slot))
+                    w_coords = [expert * K + kk * BLOCK_K, n0]
+                tma.async_copy_global_to_shared(w_desc, w_coords, ready.index(slot), w_bufs.index(slot))
                 count += 1
 
     @gluon.jit
@@ -168,20 +137,17 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
 
     @gluon.jit
     def _consumer(a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
-                  up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, row_source_ptr,
-                  packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                  CONSUMER: gl.constexpr, W_NK: gl.constexpr, EPILOGUE: gl.constexpr, A_GATHER: gl.constexpr,
-                  HAS_LIMIT: gl.constexpr,
+                  up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
+                  packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
+                  CONSUMER: gl.constexpr, W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
-        TILE_N: gl.constexpr = BLOCK_N // 2 if EPILOGUE == "swiglu_fwd" else BLOCK_N  # output columns per tile
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        # the swiglu epilogues work on [BLOCK_M, EPI_N] column chunks of the accumulator (swiglu_fwd: of its
-        # gate half and, beside it, its up half)
-        EPI_N: gl.constexpr = TILE_N // EPI_SPLIT
+        # the swiglu_bwd epilogue works on [BLOCK_M, EPI_N] column chunks of the accumulator, in place
+        EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
         chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, EPI_N, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
@@ -190,7 +156,7 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_tiles, 2 * NUM_PROGRAMS):
             m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
             m0 = m_tile * BLOCK_M
-            n0 = n_tile * TILE_N
+            n0 = n_tile * BLOCK_N
             count = seq * k_steps
             if EPILOGUE == "swiglu_bwd":  # the epilogue's row data, loaded before the K loop
                 rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -205,8 +171,6 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             for kk in range(k_steps):
                 slot = count % STAGES
                 mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-                if A_GATHER:  # A came by cp.async (generic proxy); wgmma reads it through the async proxy
-                    fence_async_shared()
                 if W_NK:
                     b = w_bufs.index(slot).permute((1, 0))
                 else:
@@ -227,27 +191,6 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                 c_smem.store(acc.to(c_desc.dtype))
                 fence_async_shared()
                 tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
-            elif EPILOGUE == "swiglu_fwd":  # acc = [gate | up] of the tile's TILE_N intermediate columns
-                gate_smem = epi_bufs.index(3 * CONSUMER)
-                up_smem = epi_bufs.index(3 * CONSUMER + 1)
-                h_smem = epi_bufs.index(3 * CONSUMER + 2)
-                tma.store_wait(0)  # this consumer's previous tile has left its buffers
-                gl.thread_barrier()
-                gate_acc, up_acc = _halves(acc)
-                gate_chunks = _column_chunks(gate_acc, EPI_SPLIT)
-                up_chunks = _column_chunks(up_acc, EPI_SPLIT)
-                for c in gl.static_range(EPI_SPLIT):
-                    # gate_up is kept rounded; h is computed from the rounded values, as grouped_gemm's kernel does
-                    gate = gl.convert_layout(gate_chunks[c], chunk_layout, assert_trivial=True).to(c_desc.dtype)
-                    up = gl.convert_layout(up_chunks[c], chunk_layout, assert_trivial=True).to(c_desc.dtype)
-                    gate_smem.slice(c * EPI_N, EPI_N, dim=1).store(gate)
-                    up_smem.slice(c * EPI_N, EPI_N, dim=1).store(up)
-                    h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT)
-                    h_smem.slice(c * EPI_N, EPI_N, dim=1).store(h.to(c_desc.dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(hw_desc, [m0, n0], h_smem)
-                _store_packed(c_desc, up_desc, gate_smem, up_smem, packed_ptr, gate_up_ptr, m0, n0, N_OUT)
             else:  # "swiglu_bwd": acc = d_y_rows @ w_down[e], the unscaled d_h
                 # The program's epilogues take turns (epi_turn) on one set of tile buffers: the tile's gate and
                 # up arrive by TMA (fetched by the previous epilogue, so they land during this tile's K loop),
@@ -289,31 +232,8 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                                            next_m * BLOCK_M, next_n * BLOCK_N)
                 mbarrier.arrive(epi_turn.index(1 - CONSUMER))
             seq += 2
-        if EPILOGUE != "swiglu_bwd":
+        if EPILOGUE == "store":
             tma.store_wait(0)
-
-    @gluon.jit
-    def _store_packed(gate_desc, up_desc, gate_smem, up_smem, packed_ptr, gate_up_ptr, m0, n0, N_OUT):
-        """Store the tile's gate and up ([BLOCK_M, TILE_N] in shared memory) into the packed gate_up
-        [num_packed, 2 N_OUT]: a tile's rows that hold a source come first, with consecutive packed indices
-        from packed[m0]. A full tile leaves by TMA; a TMA box of a partial tile would overwrite the next
-        tile's packed rows, so its rows go by masked pointer stores (16 bytes a thread, coalesced)."""
-        BLOCK_M: gl.constexpr = gate_smem.shape[0]
-        TILE_N: gl.constexpr = gate_smem.shape[1]
-        if gl.load(packed_ptr + m0 + BLOCK_M - 1) >= 0:
-            first_packed = gl.load(packed_ptr + m0)
-            tma.async_copy_shared_to_global(gate_desc, [first_packed, n0], gate_smem)
-            tma.async_copy_shared_to_global(up_desc, [first_packed, n0], up_smem)
-        else:
-            VEC: gl.constexpr = 128 // gate_desc.dtype.primitive_bitwidth
-            COL_THREADS: gl.constexpr = TILE_N // VEC
-            layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // COL_THREADS, COL_THREADS], [4, 1], [1, 0])
-            packed = gl.load(packed_ptr + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)))
-            cols = n0 + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, layout))
-            mask = (packed >= 0)[:, None] & (cols < N_OUT)[None, :]
-            ptrs = gate_up_ptr + packed.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
-            gl.store(ptrs, gate_smem.load(layout), mask=mask)
-            gl.store(ptrs + N_OUT, up_smem.load(layout), mask=mask)
 
     @gluon.jit
     def _halves(tile):
@@ -345,13 +265,13 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             return (c0, c1, c2, c3, c4, c5, c6, c7)
 
     @gluon.jit
-    def _pingpong_kernel(a_desc, w_desc, w1_desc, c_desc, up_desc, dg_desc, du_desc, hw_desc, tile_expert_ptr,
+    def _pingpong_kernel(a_desc, w_desc, c_desc, up_desc, dg_desc, du_desc, hw_desc, tile_expert_ptr,
                          expert_offsets_ptr, num_experts, sched_block_m, N_OUT, K, row_source_ptr, packed_ptr,
-                         gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, x_ptr, top_k,
-                         W_NK: gl.constexpr, EPILOGUE: gl.constexpr, A_GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                         router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
+                         W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
                          EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """"store": c_desc is C [R, N_OUT]. "swiglu_bwd": c_desc / up_desc the packed gate / up halves
         [num_packed, N_OUT], dg_desc / du_desc the d_gate / d_up halves of d_gate_up [R, N_OUT], hw_desc
         h_weighted [R, N_OUT], all in [BLOCK_M, BLOCK_N // 2] boxes."""
@@ -359,22 +279,16 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, a_desc.block_type.shape[0], a_desc.block_type.shape[1]],
                                            a_desc.layout)
-        if EPILOGUE == "swiglu_fwd":  # each slot holds the w_gate tile over the w_up tile: B is [gate | up]
-            w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, w_desc.block_type.shape[1]], w_desc.layout)
-        else:
-            w_bufs = gl.allocate_shared_memory(dtype, [STAGES, w_desc.block_type.shape[0],
-                                                       w_desc.block_type.shape[1]], w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
+                                           w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # the epilogue buffers: "store", each consumer's output tile; "swiglu_bwd", one set of gate, up and h
         # tile buffers (two column halves each, one TMA box) that the program's epilogues use in turn
         # (epi_turn); epi_ready: the tile's gate and up have landed
-        if EPILOGUE == "store" or EPILOGUE == "swiglu_fwd":
-            if EPILOGUE == "store":
-                epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
-            else:  # each consumer's gate, up and h tiles
-                epi_bufs = gl.allocate_shared_memory(dtype, [6, BLOCK_M, BLOCK_N // 2], c_desc.layout)
+        if EPILOGUE == "store":
+            epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
             up_bufs = epi_bufs
             h_bufs = epi_bufs
             epi_ready = turn
@@ -390,30 +304,27 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             mbarrier.init(epi_ready, count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        for i in gl.static_range(STAGES):  # ready: the expect of the TMA bytes, and each gathering thread's arrival
-            mbarrier.init(ready.index(i), count=1 + (LOADER_WARPS * 32 if A_GATHER else 0))
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
 
         # used tiles only: the count lives on the device, no host sync
         num_m_tiles = gl.load(expert_offsets_ptr + num_experts) // BLOCK_M
-        num_n_tiles = gl.cdiv(N_OUT, BLOCK_N // 2 if EPILOGUE == "swiglu_fwd" else BLOCK_N)
+        num_n_tiles = gl.cdiv(N_OUT, BLOCK_N)
         num_tiles = num_m_tiles * num_n_tiles
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
-                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K,
-                         row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                         0, W_NK, EPILOGUE, A_GATHER, HAS_LIMIT,
+                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
+                         packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 0, W_NK, EPILOGUE, HAS_LIMIT,
                          EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
-                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K,
-                         row_source_ptr, packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                         1, W_NK, EPILOGUE, A_GATHER, HAS_LIMIT,
+                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
+                         packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 1, W_NK, EPILOGUE, HAS_LIMIT,
                          EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
-            (_loader, (a_desc, w_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m,
-                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, W_NK, EPILOGUE,
-                       A_GATHER, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
-        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+            (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
+                       num_m_tiles, num_n_tiles, N_OUT, K, W_NK, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -425,41 +336,31 @@ def _descriptor(t: torch.Tensor, block: list):
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block)))
 
 
-# maxnreg 168 x 12 warps fills the register file; setmaxnreg then gives the consumers 232 each, the loader 40.
-# The loader is one warp, or four where it gathers A (8 rows a thread; warp groups are padded to 4 warps
-# anyway: the kernel has 12 warps either way).
-_LAUNCH = dict(num_warps=4, maxnreg=168, CONSUMER_REGS=232, LOADER_REGS=40)
+# maxnreg 168 x 12 warps fills the register file; setmaxnreg then gives the consumers 232 each, the loader 40
+_LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
 def _launch(*, a, w2d, w_nk, schedule: Schedule, n_out: int, k: int, epilogue: str, block_n: int, block_k: int,
-            stages: int, out_views, w1_2d=None, a_gather=False, epi_split: int = 1, group_m: int = 8,
-            swiglu_limit=None, packed=None, gate_up=None, router_weights=None, d_rw_partial=None):
-    """out_views: "store", (C,); "swiglu_fwd", (gate, up, h); "swiglu_bwd", (gate, up, d_gate, d_up, h_weighted),
-    each [rows, n_out]. "swiglu_fwd" takes the two weights w2d (gate) and w1_2d (up) and block_n = the width of
-    the [gate | up] accumulator; its tiles cover block_n // 2 columns of each output. a_gather: a is the token
-    tensor x [N, k], its rows gathered into the A tiles by the loader (schedule.row_source)."""
+            stages: int, out_views, epi_split: int = 1, group_m: int = 8, swiglu_limit=None, packed=None,
+            router_weights=None, d_rw_partial=None):
+    """out_views: "store", (C,); "swiglu_bwd", (gate, up, d_gate, d_up, h_weighted), each [rows, n_out]."""
     block_m = 128
-    tile_n = block_n // 2 if epilogue == "swiglu_fwd" else block_n
-    num_n_tiles = triton.cdiv(n_out, tile_n)
+    num_n_tiles = triton.cdiv(n_out, block_n)
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
     box = [block_m, block_n if epilogue == "store" else block_n // 2]
     descs = [_descriptor(t, box) for t in out_views]
-    descs = descs[:2] + [descs[0]] * 2 + descs[2:] if epilogue == "swiglu_fwd" else descs  # h is hw_desc
     descs += [descs[0]] * (5 - len(descs))
-    w_box = [tile_n, block_k] if w_nk else [block_k, block_n]
-    w_desc = _descriptor(w2d, w_box)
     dummy = schedule.row_source
     _pingpong_kernel[(num_programs,)](
-        _descriptor(a, [block_m, block_k]), w_desc, _descriptor(w1_2d, w_box) if w1_2d is not None else w_desc,
+        _descriptor(a, [block_m, block_k]), _descriptor(w2d, [block_n, block_k] if w_nk else [block_k, block_n]),
         *descs, schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, n_out, k,
-        schedule.row_source, packed if packed is not None else dummy, gate_up if gate_up is not None else dummy,
+        schedule.row_source, packed if packed is not None else dummy,
         router_weights if router_weights is not None else dummy,
         d_rw_partial if d_rw_partial is not None else dummy,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0, a, schedule.top_k,
-        W_NK=w_nk, EPILOGUE=epilogue, A_GATHER=a_gather, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split,
-        GROUP_M=group_m, STAGES=stages, NUM_PROGRAMS=num_programs, BLOCK_N=block_n,
-        LOADER_WARPS=4 if a_gather else 1, **_LAUNCH)
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        W_NK=w_nk, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=group_m,
+        STAGES=stages, NUM_PROGRAMS=num_programs, BLOCK_N=block_n, CONSUMER_REGS=232, LOADER_REGS=40, **_LAUNCH)
 
 
 def takes(schedule: Schedule, *tensors: torch.Tensor, k: int | None = None, block_k: int = 64,
@@ -484,22 +385,6 @@ def down(h, w_down, schedule: Schedule, *, block_n=128, block_k=64, stages=4):
     _launch(a=h, w2d=w_down.view(num_experts * hidden, inter), w_nk=True, schedule=schedule, n_out=hidden, k=inter,
             epilogue="store", block_n=block_n, block_k=block_k, stages=stages, out_views=(out,))
     return out
-
-
-def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather=False, block_n=128, block_k=64,
-                   stages=4, epi_split=2):
-    """grouped_gemm.gate_up_swiglu's GEMM on the ping-pong kernel: (gate_up packed [num_packed, 2I], h [R, I]).
-    x: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader (cp.async).
-    Each tile is [gate | up] of block_n // 2 intermediate columns, one accumulator (B = the w_gate tile over
-    the w_up tile), so the SwiGLU pairs sit in the same thread."""
-    num_experts, inter, hidden = w_gate.shape
-    gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
-    h = common.empty((schedule.capacity, inter), x.dtype, x.device)
-    _launch(a=x, w2d=w_gate.view(num_experts * inter, hidden), w1_2d=w_up.view(num_experts * inter, hidden),
-            w_nk=True, schedule=schedule, n_out=inter, k=hidden, epilogue="swiglu_fwd", block_n=block_n,
-            block_k=block_k, stages=stages, out_views=(gate_up[:, :inter], gate_up[:, inter:], h), a_gather=gather,
-            epi_split=epi_split, swiglu_limit=swiglu_limit, packed=packed_index(schedule), gate_up=gate_up)
-    return gate_up, h
 
 
 def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit,
