@@ -493,7 +493,8 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
 
 # Forward A operand: ENVIRONMENT.md measured gather kernel + TMA GEMM (673 / 550 TFLOP/s with the gather,
 # kimi / qwen3) ahead of the gather fused into the GEMM's pointer loads (588 / 514); re-measured by
-# benchmarks/kernel_stages.py.
+# benchmarks/kernel_stages.py. A warp-specialised loader gathering with cp.async was slower still (BENCHMARKS.md,
+# seventh session).
 FUSED_GATHER = False
 
 
