@@ -45,6 +45,34 @@ def test_bench_ep_tiny(tmp_path):
     assert {r["impl"] for r in records} >= {"serval"} and all(r["error"] is None and r["ms"] > 0 for r in records)
 
 
+def test_layer_variants_tiny(tmp_path):
+    out = tmp_path / "records.json"
+    run_script("layer_variants.py", "--tiny", "--shapes", "tiny-a", "--rounds", "1", "--iters", "2", "--soak", "0",
+               "--variant", "triton dgrad: grouped_gemm.WARP_SPECIALIZED=False", "--out", str(out))
+    records = json.load(open(out))
+    assert [r["variant"] for r in records] == ["serval", "triton dgrad"] and all(r["ms"] > 0 for r in records)
+
+
+def test_layer_variants_settings_undone():
+    """A setting reaches a frozen TileConfig inside CONFIGS, and undo restores every touched module attribute."""
+    sys.path.insert(0, BENCHMARKS)
+    import layer_variants
+    from serval.kernels import grouped_gemm
+
+    before = (grouped_gemm.WARP_SPECIALIZED, grouped_gemm.CONFIGS["hopper"]["down"])
+    name, settings = layer_variants.parse_variant("v: grouped_gemm.CONFIGS.hopper.down.num_stages=5; "
+                                                  "grouped_gemm.WARP_SPECIALIZED=False")
+    saved = layer_variants.apply(settings)
+    try:
+        assert name == "v" and grouped_gemm.CONFIGS["hopper"]["down"].num_stages == 5
+        assert grouped_gemm.WARP_SPECIALIZED is False
+    finally:
+        layer_variants.undo(saved)
+    assert (grouped_gemm.WARP_SPECIALIZED, grouped_gemm.CONFIGS["hopper"]["down"]) == before
+    with pytest.raises(ValueError, match="no '='"):
+        layer_variants.parse_variant("v: grouped_gemm.WARP_SPECIALIZED")
+
+
 def test_kernel_pingpong():
     """On the CPU it declines; on an H200 it checks the ping-pong kernel against serval's Triton kernel."""
     out = run_script("kernel_pingpong.py", "--shapes", "qwen3-30b-a3b", "--soak", "0.1")
