@@ -283,7 +283,8 @@ def compile_only(selected=None) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes; runs in the CPU interpreter")
-    parser.add_argument("--shapes", nargs="*", default=None, help="default: " + " ".join(DEFAULT_SHAPES) + "; any of: " + " ".join(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=None,
+                        help="default: " + " ".join(DEFAULT_SHAPES) + "; any of: " + " ".join(SHAPES))
     parser.add_argument("--stages", nargs="*", default=None, help="only these stages (default: all)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the GEMM configs for sm_90 and show registers and spills (no GPU needed)")

@@ -38,14 +38,14 @@ kimi-k2 (7168) 1.99 -> 1.71 (sixth session); glm-5 (6144) 3.42 -> 2.89, deepseek
 (fifth session). grouped_gemm routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the
 epilogue's math (tl.sigmoid) took ~50k cycles a tile on the 4 epilogue warps (clock64 stamps), longer
 than a tile's K loop at H = 2048, and the Triton kernel was kept for H < 6144.
-The forward gate/up + SwiGLU ran on this kernel too (commit ff09195: one [gate | up] accumulator of 128 x
-(64 + 64), the packed gate_up by TMA for full tiles and pointer stores for partial ones; 561b42c: x's rows
-gathered by the loader with cp.async): bit for bit the Triton kernel's, but 2-4% slower on the large-K shapes,
-no faster in the layer at H = 2048, and the loader's gather slower than the gather pass (BENCHMARKS.md, seventh
-session); removed. Earlier versions, measured and replaced: the accumulator staged as fp32 in shared memory and the
-gate/up loads and output stores through pointers (1.32 ms qwen3-30b-a3b: the global accesses were not
-hidden, and the staging left room for 3 stages only); per-chunk TMA boxes with a barrier per chunk
-(1.73-1.89 ms), both with tl.sigmoid.
+The forward gate/up + SwiGLU ran on this kernel too (commit ff09195: one [gate | up] accumulator of
+128 x (64 + 64), the packed gate_up by TMA for full tiles and pointer stores for partial ones; 561b42c:
+x's rows gathered by the loader with cp.async): bit for bit the Triton kernel's, but 2-4% slower on the
+large-K shapes, no faster in the layer at H = 2048, and the loader's gather slower than the gather pass
+(BENCHMARKS.md, seventh session); removed. Earlier versions, measured and replaced: the accumulator
+staged as fp32 in shared memory and the gate/up loads and output stores through pointers (1.32 ms
+qwen3-30b-a3b: the global accesses were not hidden, and the staging left room for 3 stages only);
+per-chunk TMA boxes with a barrier per chunk (1.73-1.89 ms), both with tl.sigmoid.
 
 Determinism is grouped_gemm's: one program writes each output element, the K loop has one
 order (BLOCK_K steps, wgmma), no atomics. The mbarrier waits need no time bound: every arrival
