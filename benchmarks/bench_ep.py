@@ -409,6 +409,7 @@ def main():
 
     if rank == 0:
         report(load_records(args.out), args)
+    dist.barrier(group)  # leave together: a rank tearing down gloo while another still runs can abort at exit
     dist.destroy_process_group()
 
 
