@@ -27,18 +27,25 @@ is the staged path below against serval.moe's y (0.0: the stages are what serval
 
 serval's forward by stage (stage_ms of its fwd records), through the lower layer (serval.functional) with
 CUDA events at the stage boundaries (perf_counter on the CPU), no autograd:
-  schedule  functional.build_ep_schedule: all-gather of the routing, the group's schedule, this rank's slice
-  dispatch  transport.pull(x, row_source): this rank's experts' rows read from their owners
-  experts   gate_up_swiglu + down (the backend's stages) over those rows
-  shared    the shared expert (scope "layer")
-  combine   transport.push(expert rows, row_source) into the owners' slots + combine over the slots
-dispatch_gbps / combine_gbps: rank 0's rows moved across ranks (owner != rank 0) * H * 2 bytes over the
-stage's time (the largest over the ranks), per GPU and direction (pull reads, push writes as many rows).
-An effective rate: the stage also holds the copy into (pull) or out of (push) the symmetric buffer and
-two barriers. --link-gbps (default 450, H200 NVLink per direction) is printed beside.
+  schedule      functional.build_ep_schedule: all-gather of the routing, the group's schedule, this rank's slice
+  dispatch      transport.pull(x, row_source): this rank's experts' rows read from their owners
+  gate_up       gate_up_swiglu over those rows
+  shared        the shared expert (scope "layer")
+  down_combine  the down GEMM and the push of its rows into the owners' slots (the GEMM's epilogue writes
+                them there, or a push kernel after it: grouped_gemm.PUSH_FROM_EPILOGUE), the push's two
+                barriers, then the combine over the slots
+(Records of the sessions before the fused push split the last two as "experts" (gate/up + down) and
+"combine", with a combine_gbps.)
+dispatch_gbps: rank 0's rows moved across ranks (owner != rank 0) * H * 2 bytes over the dispatch stage's
+time (the largest over the ranks), per GPU and direction: an effective rate, the stage also holds the copy
+into the symmetric buffer and two barriers. --link-gbps (default 450, H200 NVLink per direction) is printed
+beside.
+
+--variant "name: module.path=value; ..." (as benchmarks/layer_variants.py takes it) also runs serval with
+those serval.kernels settings, recorded as impl "serval (name)", right after serval's default.
 
 Records appended by rank 0 to --out (default benchmarks/results/h200x<P>_ep.json): {shape, impl, scope, pass,
-ep, ms, tflops, stage_ms, dispatch_gbps, combine_gbps, link_gbps, rel_err, rel_errs, saved_mem_gib,
+ep, ms, tflops, stage_ms, dispatch_gbps, link_gbps, rel_err, rel_errs, saved_mem_gib,
 peak_mem_gib, error, soak_s, date, gpus, torch, triton}. ms: median over --iters calls after --warmup and
 --soak seconds of sustained load (the GPUs at their power cap, as bench_layer.py times them), the largest
 over the ranks; tflops: SPEC.md's FLOPs per GPU (fwd 6*(N + N*k)*H*I for layer, 6*N*k*H*I for routed,
@@ -67,6 +74,7 @@ import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
 
 import bench_layer  # also puts this checkout's serval first on the path
+import layer_variants
 from bench_layer import (SHAPES as LAYER_SHAPES, balanced_routing, env_info, flops, latest, load_records,
                          make_inputs, make_params, memory_gib, plot, print_table, rel_err,
                          save_records, shared_mlp, shared_of, time_ms)
@@ -90,7 +98,7 @@ TINY_SHAPES = {  # E divisible by 2, 4 and 8; dims multiples of 8 (torch._groupe
 IMPLS = ["serval", "nccl_a2a"]
 SCOPES = ["routed", "layer"]
 PASSES = ["fwd", "fwdbwd"]
-STAGES = ["schedule", "dispatch", "experts", "shared", "combine"]
+STAGES = ["schedule", "dispatch", "gate_up", "shared", "down_combine"]
 
 
 def log(*args):
@@ -195,8 +203,7 @@ def serval_staged_forward(p, topk_ids, workspace, config, clock):
     x_rows = transport.pull(x, schedule.row_source)
     marks.append(("dispatch", clock()))
     _, h = ops.gate_up_swiglu(x, p["w_gate"], p["w_up"], schedule, None, a_rows=x_rows)
-    expert_out = ops.down(h, p["w_down"], schedule)
-    marks.append(("experts", clock()))
+    marks.append(("gate_up", clock()))
     shared_out = None
     if shared is not None:  # the shared expert as a one-expert group over the rank's own tokens
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)
@@ -204,9 +211,10 @@ def serval_staged_forward(p, topk_ids, workspace, config, clock):
         _, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, None)
         shared_out = ops.down(shared_h, ws_down, shared_schedule)[: x.shape[0]]
         marks.append(("shared", clock()))
-    slots, slot_schedule = functional._rows_out(expert_out, schedule, transport)  # push + the slots' table
+    slots, slot_schedule = functional._gemm_out(  # the down GEMM, its rows in the owners' slots
+        ops, lambda **push: ops.down(h, p["w_down"], schedule, **push), x.shape[1], x.dtype, schedule, transport)
     y = ops.combine(slots, rw, slot_schedule, shared_out)
-    marks.append(("combine", clock()))
+    marks.append(("down_combine", clock()))
     return y, marks
 
 
@@ -233,7 +241,7 @@ def remote_rows(workspace, topk_ids, router_weights):
 
 
 def serval_stage_times(p, topk_ids, group, args, device):
-    """{stage_ms, dispatch_gbps, combine_gbps, link_gbps} of serval's forward: per-stage medians over
+    """{stage_ms, dispatch_gbps, link_gbps} of serval's forward: per-stage medians over
     --iters runs after --warmup, each the largest over the ranks."""
     config = serval.Config()
     workspace = serval_workspace(p, topk_ids, group, config)
@@ -250,8 +258,7 @@ def serval_stage_times(p, topk_ids, group, args, device):
     medians.append(statistics.median(elapsed(marks[0][1], marks[-1][1]) for marks in runs))
     stage_ms = dict(zip(names, group_max(medians, device)))
     gbytes = moved * p["x"].shape[1] * p["x"].element_size() / 1e9
-    dispatch_gbps, combine_gbps = (gbytes / (stage_ms[s] * 1e-3) for s in ("dispatch", "combine"))
-    return dict(stage_ms=stage_ms, dispatch_gbps=dispatch_gbps, combine_gbps=combine_gbps, link_gbps=args.link_gbps)
+    return dict(stage_ms=stage_ms, dispatch_gbps=gbytes / (stage_ms["dispatch"] * 1e-3), link_gbps=args.link_gbps)
 
 
 def soak(fn, seconds, device):
@@ -267,12 +274,14 @@ def soak(fn, seconds, device):
 # -----------------------------------------------------------------------------
 
 
-def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info):
-    """Check one implementation against the reference (nccl_a2a), then time each pass. Returns its records."""
+def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label=None):
+    """Check one implementation against the reference (nccl_a2a), then time each pass. Returns its records
+    (impl = label, default the name)."""
     shape, topk_ids, dy = inp["shape"], inp["topk_ids"], inp["dy"]
     impl = functools.partial(IMPL_FNS[name], group=group)  # bench_layer's impl(p, topk_ids)
     p = make_params(inp, scope)
-    tag = f"{shape_name:<16} {scope:<6} {name:<9}"
+    label = label or name
+    tag = f"{shape_name:<16} {scope:<6} {label:<9}"
     errs = bench_layer.check(impl, p, topk_ids, dy, ref)
     if name == "serval":  # the stage-by-stage path timed below must be what serval.moe computes
         config = serval.Config()
@@ -285,8 +294,8 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
     log(f"{tag} rel_err (max over ranks) " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     records = []
     for ps in passes:
-        rec = dict(shape=shape_name, impl=name, scope=scope, **{"pass": ps}, ep=group.size(), ms=None, tflops=None,
-                   stage_ms=None, dispatch_gbps=None, combine_gbps=None, link_gbps=None, rel_err=err, rel_errs=errs,
+        rec = dict(shape=shape_name, impl=label, scope=scope, **{"pass": ps}, ep=group.size(), ms=None, tflops=None,
+                   stage_ms=None, dispatch_gbps=None, link_gbps=None, rel_err=err, rel_errs=errs,
                    saved_mem_gib=None, peak_mem_gib=None, error=None, soak_s=args.soak, **info)
         records.append(rec)
         if not err <= args.tol:
@@ -306,8 +315,8 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
         if name == "serval" and ps == "fwd":
             rec.update(serval_stage_times(p, topk_ids, group, args, device))
             log(f"{tag} stages " + " ".join(f"{s} {t:.3f}" for s, t in rec["stage_ms"].items()) + " ms; "
-                + " ".join(f"{s} {rec[s + '_gbps']:.4g} GB/s ({rec[s + '_gbps'] / args.link_gbps:.0%} of "
-                           f"{args.link_gbps:g})" for s in ("dispatch", "combine")))
+                f"dispatch {rec['dispatch_gbps']:.4g} GB/s ({rec['dispatch_gbps'] / args.link_gbps:.0%} of "
+                f"{args.link_gbps:g})")
     return records
 
 
@@ -322,14 +331,15 @@ def report(records, args):
     staged = [r for r in records if r.get("stage_ms")]
     if staged:
         link = staged[-1]["link_gbps"]
-        print(f"\nserval forward by stage, ms; dispatch / combine GB/s per GPU and direction (link {link:g} GB/s)")
-        print(f"{'shape':<16}{'scope':<8}" + "".join(f"{s:>10}" for s in STAGES + ["total"]) + f"{'dispatch':>10}"
-              f"{'combine':>10}")
+        # older records have other stage names (see the module docstring): every name seen, in order
+        stages = list(dict.fromkeys(s for r in staged for s in r["stage_ms"] if s != "total")) + ["total"]
+        print(f"\nserval forward by stage, ms; dispatch GB/s per GPU and direction (link {link:g} GB/s)")
+        print(f"{'shape':<16}{'scope':<8}{'impl':<24}" + "".join(f"{s[:12]:>13}" for s in stages) + f"{'dispatch':>10}")
         for r in staged:
-            cells = [r["stage_ms"].get(s) for s in STAGES + ["total"]]
-            print(f"{r['shape']:<16}{r['scope']:<8}" + "".join(f"{c:>10.3f}" if c is not None else f"{'-':>10}"
-                                                               for c in cells)
-                  + f"{r['dispatch_gbps']:>10.4g}{r['combine_gbps']:>10.4g}")
+            cells = [r["stage_ms"].get(s) for s in stages]
+            print(f"{r['shape']:<16}{r['scope']:<8}{r['impl']:<24}"
+                  + "".join(f"{c:>13.3f}" if c is not None else f"{'-':>13}" for c in cells)
+                  + f"{r['dispatch_gbps']:>10.4g}")
 
 
 def main():
@@ -352,7 +362,10 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, runs on the CPU (gloo) in seconds")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present, cpu with --tiny)")
     parser.add_argument("--report-only", action="store_true", help="measure nothing (no torchrun): tables of --out")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="'name: module.path=value; ...': serval with these serval.kernels settings, too")
     args = parser.parse_args()
+    variants = [layer_variants.parse_variant(v) for v in args.variant]
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
     args.iters = args.iters if args.iters is not None else (5 if args.tiny else 50)
     args.soak = args.soak if args.soak is not None else (0.0 if args.tiny else 2.0)
@@ -398,8 +411,16 @@ def main():
             if scope == "layer" and not inp["shape"][-1]:
                 continue  # no shared expert: layer == routed
             ref = bench_layer.reference(functools.partial(nccl_a2a, group=group), inp, scope, passes)
-            for name in impls:
-                records = bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info)
+            runs = [(name, name, []) for name in impls]
+            if "serval" in impls:
+                at = impls.index("serval") + 1
+                runs[at:at] = [("serval", f"serval ({label})", settings) for label, settings in variants]
+            for name, label, settings in runs:
+                saved = layer_variants.apply(settings)
+                try:
+                    records = bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label)
+                finally:
+                    layer_variants.undo(saved)
                 if rank == 0:
                     save_records(records, args.out)
                 if device.type == "cuda":

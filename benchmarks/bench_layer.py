@@ -445,10 +445,11 @@ def print_table(records):
     for ps, sc in panels(records):
         shapes, impls, tf = grid(records, ps, sc)
         print(f"\nTFLOP/s, {ps} {sc} ({records[0]['gpu']})")
-        print(f"{'shape':<16}" + "".join(f"{i:>18}" for i in impls))
+        width = max(18, *(len(i) + 2 for i in impls))
+        print(f"{'shape':<16}" + "".join(f"{i:>{width}}" for i in impls))
         for s in shapes:
             cells = [tf.get((s, i)) for i in impls]
-            print(f"{s:<16}" + "".join(f"{c:>18.4g}" if c is not None else f"{'-':>18}" for c in cells))
+            print(f"{s:<16}" + "".join(f"{c:>{width}.4g}" if c is not None else f"{'-':>{width}}" for c in cells))
 
 
 def plot(records, path):

@@ -2,12 +2,13 @@
 # Issue 5's multi-GPU run in parts that each fit one 10-minute device call (P = GPUs of the host, one process each):
 #
 #   bash benchmarks/run_ep.sh P OUT checks            # links, transport ceilings, the EP tests at P, a tiny smoke run
-#   bash benchmarks/run_ep.sh P OUT routed [SHAPES]   # bench_ep, routed experts, forward and forward + backward
-#   bash benchmarks/run_ep.sh P OUT layer [SHAPES]    # bench_ep, routed + shared expert
+#   bash benchmarks/run_ep.sh P OUT routed [SHAPES [OPTIONS]]   # bench_ep, routed experts, forward and fwd + bwd
+#   bash benchmarks/run_ep.sh P OUT layer [SHAPES [OPTIONS]]    # bench_ep, routed + shared expert
 #
 # OUT: where the records (h200x<P>_ceilings.json, h200x<P>_ep.json) and the logs go ($OUT on the device machine);
 # SHAPES: comma-separated (default: every SPEC multi-GPU shape; at EP=2 a shape took 2-3 minutes, so give a call
-# two of them). One bench_ep process per shape: a shape that runs out of time leaves the others' records. Each
+# two of them); OPTIONS: passed on to bench_ep (e.g. --variant "push kernel: grouped_gemm.PUSH_FROM_EPILOGUE=False";
+# a shape then takes longer: STEP_S, default 280, is each shape's time limit). One bench_ep process per shape: a shape that runs out of time leaves the others' records. Each
 # step has its own time limit and prints its status; the script goes on after a failed step. NVLink multicast
 # stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST).
 set -u
@@ -15,8 +16,10 @@ P=${1:?usage: run_ep.sh P OUT checks|routed|layer [SHAPES]}
 OUT=${2:?usage: run_ep.sh P OUT checks|routed|layer [SHAPES]}
 PART=${3:?usage: run_ep.sh P OUT checks|routed|layer [SHAPES]}
 SHAPES=${4:-kimi-k2,glm-5,qwen3.5-397b,deepseek-v4-pro}
+shift $(($# < 4 ? $# : 4))
+OPTIONS=("$@")
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH=$PWD TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc-per-node "$P")
 
@@ -42,8 +45,8 @@ case $PART in
         ;;
     routed | layer)
         for shape in ${SHAPES//,/ }; do
-            step "${PART}_$shape" 280 "${TORCHRUN[@]}" benchmarks/bench_ep.py --shapes "$shape" --scopes "$PART" \
-                --out "$OUT/h200x${P}_ep.json"
+            step "${PART}_$shape" "${STEP_S:-280}" "${TORCHRUN[@]}" benchmarks/bench_ep.py --shapes "$shape" \
+                --scopes "$PART" --out "$OUT/h200x${P}_ep.json" "${OPTIONS[@]}"
         done
         ;;
     *)

@@ -237,6 +237,16 @@ def _rows_out(rows, schedule: Schedule, transport):
     return slots, slot_schedule(transport.num_tokens, transport.top_k, rows.device)
 
 
+def _gemm_out(ops, gemm, cols: int, dtype, schedule: Schedule, transport):
+    """`_rows_out` of the rows a stage GEMM makes, gemm(**push) -> [R, cols]: where the backend can, the
+    GEMM's epilogue writes them straight into the owners' slots (`push_from`; the rows are never
+    materialised), else they are made, then pushed."""
+    if transport is not None and ops.pushes_from_epilogue():
+        slots = transport.push_from(lambda target: gemm(push_to=target), cols, dtype)
+        return slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)
+    return _rows_out(gemm(), schedule, transport)
+
+
 def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_limit, transport):
     """Pre-activations and h of the routed experts and of the shared expert."""
     x_rows = _rows_in(ops, x, schedule, transport)
@@ -266,7 +276,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     shared_out = None
     if shared is not None:
         shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
-    token_rows, token_schedule = _rows_out(ops.down(h, w_down, schedule), schedule, transport)
+    token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
+                                           w_down.shape[1], h.dtype, schedule, transport)
     y = ops.combine(token_rows, router_weights, token_schedule, shared_out)
     keep = not config.recompute
     ctx = ForwardContext(schedule, shared_schedule, gate_up if keep else None,
@@ -290,15 +301,17 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
     """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down).
 
     Ordered so that each [R, *] buffer dies as soon as its last use is done (d_y rows and rw * h
-    after the down weight gradient, d_x rows after their slot sum): the peak holds about two of them.
+    after the down weight gradient, d_x rows after their slot sum; at EP with the kernels they are
+    never made: the GEMM pushes them): the peak holds about two of them.
     """
     d_y_rows = _rows_in(ops, d_y, schedule, transport)
     d_gate_up, h_weighted, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights,
                                                              schedule, swiglu_limit)
     d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
     del d_y_rows, h_weighted
-    d_x_rows = ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule)
-    d_x = ops.sum_slots(*_rows_out(d_x_rows, schedule, transport), shared_d_x)
+    d_x_rows = _gemm_out(ops, lambda **push: ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule, **push),
+                         w_gate.shape[2], d_gate_up.dtype, schedule, transport)
+    d_x = ops.sum_slots(*d_x_rows, shared_d_x)
     del d_x_rows
     d_rw_slots, slots = _rows_out(d_rw_rows[:, None], schedule, transport)
     d_router_weights = d_rw_slots[slots.source_row.to(torch.int64), 0].to(router_weights.dtype)

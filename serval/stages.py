@@ -25,6 +25,12 @@ import torch
 from .schedule import Schedule, packed_index, packed_rows
 
 
+def pushes_from_epilogue() -> bool:
+    """Whether down / gate_up_dgrad take `push_to` (write their rows into the EP owners' slots): torch
+    ops cannot write through peer addresses, so the layer pushes their rows after them."""
+    return False
+
+
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

@@ -255,6 +255,57 @@ def test_gate_up_dgrad(routing, use_tma):
     assert_close(out, ref, valid_rows(schedule), "d_x_rows")
 
 
+def _push_case(case, stage):
+    """(the stage's GEMM as fn(**push_to), its output columns) for the pushing-epilogue test."""
+    schedule = case["schedule"]
+    if stage == "down":
+        h = _forward_reference(case, None)[1]
+        return (lambda **kw: grouped_gemm.down(h, case["w_down"], schedule, **kw)), case["w_down"].shape[1]
+    g = torch.Generator().manual_seed(3)
+    inter = case["w_gate"].shape[1]
+    d_gate_up = torch.randn(schedule.capacity, 2 * inter, generator=g).to(case["x"].device, torch.bfloat16)
+    return (lambda **kw: grouped_gemm.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule, **kw),
+            case["w_gate"].shape[2])
+
+
+def check_push(case, stage, world_size, use_tma):
+    """The GEMM's pushing epilogue (PUSH) on P virtual ranks: P slot buffers in this process, the schedule's
+    N*k sources split over them (owner = source // num_slots). Every source's slot holds exactly the row
+    the plain GEMM makes, bit for bit; slots no source maps to keep their NaN poison (nothing written out
+    of range; padding rows write nothing)."""
+    from serval.transport import PeerSlots, symm
+
+    schedule = case["schedule"]
+    gemm, cols = _push_case(case, stage)
+    rows = gemm(use_tma=use_tma)
+    num_sources = case["x"].shape[0] * schedule.top_k
+    num_slots = -(-num_sources // world_size) + 1  # one slot per rank that no source maps to
+    buffers = [torch.full((num_slots, cols), float("nan"), dtype=torch.bfloat16, device=rows.device)
+               for _ in range(world_size)]
+    addresses = [b.data_ptr() for b in buffers]
+    for aligned in {False, symm.vector_aligned(addresses, cols, 2)}:
+        for b in buffers:
+            b.fill_(float("nan"))
+        table = torch.tensor(addresses, dtype=torch.int64, device=rows.device)
+        source = schedule.row_source.to(torch.int64)
+        owner, local = source // num_slots, source % num_slots
+        assert gemm(use_tma=use_tma, push_to=PeerSlots(table, num_slots, cols, torch.bfloat16, aligned)) is None
+        valid = source >= 0
+        got = torch.stack(buffers)[owner[valid], local[valid]]
+        assert torch.equal(got.view(torch.int16), rows[valid].view(torch.int16)), f"{stage}: pushed rows differ"
+        written = torch.zeros(world_size, num_slots, dtype=torch.bool, device=rows.device)
+        written[owner[valid], local[valid]] = True
+        assert torch.isnan(torch.stack(buffers)[~written].float()).all(), f"{stage}: a slot no row maps to was written"
+
+
+@pytest.mark.parametrize("routing", ["random", "empty_experts", "one_token"])
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("stage", ["down", "gate_up_dgrad"])
+@pytest.mark.parametrize("use_tma", TMA_CHOICES)
+def test_push_from_epilogue(routing, world_size, stage, use_tma):
+    check_push(make_case(routing), stage, world_size, use_tma)
+
+
 @pytest.mark.parametrize("use_tma", TMA_CHOICES)
 def test_shared_expert_dense_schedule(use_tma):
     """All four GEMMs on the shared expert's schedule (one expert, rows = tokens, rw = 1)."""
@@ -382,6 +433,12 @@ def test_gpu_all_stages(how, use_tma):
             check(a, b, f"{name} ({epilogue_io})")
     check(run_twice(grouped_gemm.gate_up_dgrad, ref[0], case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
           stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule), "d_x_rows")
+
+
+@needs_cuda
+@pytest.mark.parametrize("stage", ["down", "gate_up_dgrad"])
+def test_gpu_push_from_epilogue(stage):
+    check_push(_gpu_case(), stage, world_size=4, use_tma=True)
 
 
 @needs_cuda

@@ -6,6 +6,7 @@ combine / sum_slots; warp_specialized: a Gluon ping-pong variant of the grouped 
 3.6; runs the down dgrad); swiglu: the SwiGLU math of their epilogues; common: what they share.
 """
 
+from . import grouped_gemm
 from .common import INTERPRET
 from .grouped_gemm import down, down_dgrad_swiglu, gate_up_dgrad, gate_up_swiglu
 from .rows import combine, gather, sum_slots
@@ -22,8 +23,15 @@ __all__ = [
     "gate_up_weight_grad",
     "gather",
     "sum_slots",
+    "pushes_from_epilogue",
     "supports",
 ]
+
+
+def pushes_from_epilogue() -> bool:
+    """Whether down / gate_up_dgrad write their rows into the EP owners' slots themselves (`push_to`):
+    grouped_gemm.PUSH_FROM_EPILOGUE."""
+    return grouped_gemm.PUSH_FROM_EPILOGUE
 
 
 def supports(feature_dims) -> bool:

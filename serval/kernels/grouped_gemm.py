@@ -17,7 +17,8 @@ constexpr switches select the variant, so the compiler specialises each use:
   the forward weights transposed). Both are read in place, never copied.
 * K_SPLIT: K runs over two weights, the first K columns of A against w0 and the next
   K against w1, into one accumulator (gate_up_dgrad: d_gate @ w_gate + d_up @ w_up).
-* EPILOGUE: "store" (plain bf16 store), "swiglu_fwd" (two accumulators, gate from w0
+* EPILOGUE: "store" (plain bf16 store, or with PUSH each row straight into its owner's slot over the
+  peers' buffers: see below), "swiglu_fwd" (two accumulators, gate from w0
   and up from w1, stores gate_up and h = silu(gate) * up), "swiglu_bwd" (the down
   dgrad fused with the SwiGLU backward and the router-weight gradient). gate_up, kept
   for backward, is stored in packed rows (no padding rows; `serval.schedule.packed_index`)
@@ -36,6 +37,12 @@ constexpr switches select the variant, so the compiler specialises each use:
   c + 1 (the packed gate/up reads) stay in flight while chunk c is computed, and pointer
   stores are fire-and-forget.
   FLATTEN: let the pipeliner overlap a tile's epilogue with the next tile's loads.
+* PUSH (with "store", at expert parallelism): row r is written to slot `row_source[r]` of its owner's
+  slot buffer, the owner found in a table of every rank's buffer address (`serval.transport`), instead of
+  to c[r]: the combine's push fused into the GEMM that produces the rows (the down GEMM forward, the
+  gate/up dgrad backward). The tile's rows go out over NVLink while later tiles compute, and the [R, C]
+  rows are never written to memory and read back by a push kernel. Padding rows write nothing. Pointer
+  stores (scattered rows, peers' memory: no TMA); PUSH_ALIGNED: 16-byte vectors (host-checked).
   UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set it there only).
 
 Persistent: the grid is one program per SM (NUM_PROGRAMS of them, fewer when the capacity
@@ -70,6 +77,7 @@ import triton
 import triton.language as tl
 
 from ..schedule import Schedule, packed_index
+from ..transport import PeerSlots
 from . import common, swiglu
 from . import warp_specialized as warp_specialized_kernel
 from .rows import gather as gather_rows
@@ -256,6 +264,8 @@ def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c
 def _grouped_gemm_kernel(
     # A operand: x [N, K] (A_GATHER) or rows [R, K_total]
     a_ptr, stride_a, row_source_ptr, top_k, num_rows,
+    # PUSH: the peers' slot buffers [slots_per_rank, N_OUT], one int64 address per rank
+    push_table_ptr, slots_per_rank,
     # schedule
     tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
     # weights: w0 (and w1 for swiglu_fwd / K_SPLIT), [E, N_OUT, K] if W_NK else [E, K, N_OUT]
@@ -271,7 +281,7 @@ def _grouped_gemm_kernel(
     NUM_PROGRAMS: tl.constexpr,
     A_GATHER: tl.constexpr, W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
 ):
     DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
     SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [*, 2 N_OUT] and [R, N_OUT]
@@ -308,7 +318,7 @@ def _grouped_gemm_kernel(
                                                 block_shape=[BLOCK_M, BLOCK_K])
         else:
             a1_desc = a0_desc
-        if DUAL:  # c is the packed gate_up: pointer stores only
+        if DUAL or PUSH:  # c is the packed gate_up, or the peers' slots: pointer stores only
             c0_desc = c_ptr
         else:
             c0_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, N_OUT], strides=[stride_c, 1],
@@ -367,7 +377,16 @@ def _grouped_gemm_kernel(
         # ------------------------------------------------ epilogues, EPI_SPLIT column chunks at a time
         # (smaller store staging in shared memory; for swiglu_bwd, fewer live fp32 temporaries: unsplit it spilled)
         chunks0 = _column_chunks(acc0, BLOCK_M, BLOCK_N, EPI_SPLIT)
-        if EPILOGUE == "store":
+        if EPILOGUE == "store" and PUSH:
+            source = tl.load(row_source_ptr + rows).to(tl.int64)
+            valid = source >= 0
+            slot_rows = common.peer_rows(push_table_ptr, tl.where(valid, source, 0), valid, slots_per_rank, N_OUT,
+                                         1, False, PUSH_ALIGNED, dtype)
+            for c in tl.static_range(EPI_SPLIT):
+                cols = n0 + c * EPI_N + tl.arange(0, EPI_N)
+                tl.store(slot_rows[:, None] + cols[None, :], chunks0[c].to(dtype),
+                         mask=valid[:, None] & (cols < N_OUT)[None, :])
+        elif EPILOGUE == "store":
             for c in tl.static_range(EPI_SPLIT):
                 _store_tile(c0_desc, c_ptr, stride_c, chunks0[c].to(dtype), m0, n0 + c * EPI_N, N_OUT,
                             BLOCK_M, EPI_N, EPI_TMA_STORES)
@@ -447,8 +466,9 @@ def _check(a: torch.Tensor, *weights: torch.Tensor):
 
 def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gather: bool, w_nk: bool,
             k_split: bool, epilogue: str, config: TileConfig, use_tma: bool | None, swiglu_limit=None,
-            packed=None, gate_up=None, router_weights=None, d_rw_partial=None):
-    """Launch the persistent grid for one stage; returns nothing (outputs are written in place)."""
+            packed=None, gate_up=None, router_weights=None, d_rw_partial=None, push_to: PeerSlots | None = None):
+    """Launch the persistent grid for one stage; returns nothing (outputs are written in place: `out`, or
+    with push_to the peers' slot buffers, `out` then unused)."""
     w0, w1 = weights[0], weights[-1]
     block_m = min(config.block_m, schedule.block_m)
     if schedule.block_m % block_m:
@@ -457,7 +477,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         use_tma = common.supports_tma()
     if use_tma:  # the packed gate_up (swiglu_fwd's out, swiglu_bwd's gate_up) is never a TMA operand
         operands = [(w0, 0), (w1, 0)]
-        if epilogue == "store":
+        if epilogue == "store" and push_to is None:
             operands += [(out, 0)]
         if epilogue == "swiglu_bwd":
             operands += [(out, 0), (out, n_out)]
@@ -475,6 +495,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
     dummy = out  # stands in for pointers a variant does not use
     _grouped_gemm_kernel[(num_programs,)](
         a, a.stride(0), schedule.row_source, schedule.top_k, schedule.capacity,
+        push_to.table if push_to is not None else dummy, push_to.num_slots if push_to is not None else 0,
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m,
         w0, w1,
         out, out.stride(0), h if h is not None else dummy,
@@ -486,7 +507,8 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         NUM_PROGRAMS=num_programs,
         A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
-        EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, num_warps=config.num_warps,
+        EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, PUSH=push_to is not None,
+        PUSH_ALIGNED=push_to is not None and push_to.aligned, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
@@ -521,15 +543,32 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
     return gate_up, h
 
 
-def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use_tma: bool | None = None):
-    """Grouped GEMM down: o [R, H] = h @ w_down[e].T."""
+# At EP the down GEMM (forward) and the gate/up dgrad (backward) store their rows into the owners' slots
+# themselves (PUSH) instead of handing them to the transport's push kernel. BENCHMARKS.md has the EP=2 A/B.
+PUSH_FROM_EPILOGUE = True
+
+
+def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use_tma: bool | None = None,
+         push_to: PeerSlots | None = None):
+    """Grouped GEMM down: o [R, H] = h @ w_down[e].T; with push_to, row r goes to its owner's slot
+    row_source[r] instead (see PUSH) and nothing is returned."""
     _check(h, w_down)
     hidden, inter = w_down.shape[1:]
-    out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
+    out = _output(schedule, hidden, h, push_to)
     _launch(a=h.contiguous(), weights=(w_down.contiguous(),), out=out, h=None, schedule=schedule,
             n_out=hidden, k=inter, a_gather=False, w_nk=True, k_split=False, epilogue="store",
-            config=config or default_config("down", h.dtype), use_tma=use_tma)
-    return out
+            config=config or default_config("down", h.dtype), use_tma=use_tma, push_to=push_to)
+    return None if push_to is not None else out
+
+
+def _output(schedule: Schedule, cols: int, like: torch.Tensor, push_to: PeerSlots | None):
+    """A "store" stage's [R, cols] output, or (pushing) a stand-in the kernel never touches."""
+    if push_to is None:
+        return common.empty((schedule.capacity, cols), like.dtype, like.device)
+    if push_to.cols != cols or push_to.dtype != like.dtype:
+        raise ValueError(f"push_to: slot buffers of [{push_to.cols}] {push_to.dtype} columns, the GEMM makes "
+                         f"[{cols}] {like.dtype}")
+    return like
 
 
 # The down dgrad on the ping-pong kernel (serval.kernels.warp_specialized) wherever it takes the operands.
@@ -592,12 +631,14 @@ def _sum_partials(d_rw_partial, schedule: Schedule):
 
 
 def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, config: TileConfig | None = None,
-                  use_tma: bool | None = None):
-    """d_x_rows [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e]: one accumulation over K = 2I."""
+                  use_tma: bool | None = None, push_to: PeerSlots | None = None):
+    """d_x_rows [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e]: one accumulation over K = 2I; with push_to,
+    pushed into the owners' slots instead (see down)."""
     _check(d_gate_up, w_gate, w_up)
     inter, hidden = w_gate.shape[1:]
-    out = common.empty((schedule.capacity, hidden), d_gate_up.dtype, d_gate_up.device)
+    out = _output(schedule, hidden, d_gate_up, push_to)
     _launch(a=d_gate_up.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=out, h=None,
             schedule=schedule, n_out=hidden, k=inter, a_gather=False, w_nk=False, k_split=True,
-            epilogue="store", config=config or default_config("gate_up_dgrad", d_gate_up.dtype), use_tma=use_tma)
-    return out
+            epilogue="store", config=config or default_config("gate_up_dgrad", d_gate_up.dtype), use_tma=use_tma,
+            push_to=push_to)
+    return None if push_to is not None else out

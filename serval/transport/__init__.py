@@ -11,6 +11,11 @@ Every movement of the MoE layer is one of two primitives over the schedule's
   once every peer's writes have landed. Forward combine pushes expert outputs (the
   owner then sums its k slots in slot order); backward reverse-dispatch pushes d_x rows
   and d_router_weights.
+* ``push_from(write, cols, dtype) -> slots``: the same exchange for a producer that writes its rows
+  into the owners' slots itself: ``write(PeerSlots)`` gets the table of every rank's slot buffer
+  address, between the two barriers of a push. The Triton GEMMs that make the expert outputs and
+  the d_x rows take it as `push_to` and store each row to its owner's slot from their epilogue
+  (`serval.kernels.grouped_gemm`, PUSH), so those rows never pass through memory in between.
 
 A slot is written by exactly one row of one rank, so pushes never collide and need no
 atomics; the owner's fixed-order sum over its slots keeps results bitwise identical.
@@ -23,9 +28,21 @@ bounded waits; no NVLink multicast).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
+
+
+class PeerSlots(NamedTuple):
+    """Where `push_from`'s producer writes: slot s of rank p's slot buffer [num_slots, cols] (dtype)
+    starts at address table[p] + s * cols * itemsize; table is an int64 tensor on the rows' device.
+    aligned: every base and the row pitch are 16-byte aligned (vector stores are safe)."""
+
+    table: torch.Tensor
+    num_slots: int
+    cols: int
+    dtype: torch.dtype
+    aligned: bool
 
 
 class Transport(Protocol):
@@ -52,6 +69,11 @@ class Transport(Protocol):
         zero fill is skipped. copy=False: the transport's slot buffer itself, valid until the next push of
         the same [C, dtype] (every rank's next push starts with a barrier that waits for work queued before
         it, so a consumer queued first is safe)."""
+
+    def push_from(self, write: Callable[[PeerSlots], None], cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """push(complete=True, copy=False) for a producer that writes the rows itself: once every owner is
+        done with its slots, write(PeerSlots) writes every (token, slot) of the group exactly once, into
+        the owners' slot buffers; returns this rank's slots once every peer's writes have landed."""
 
 
 def split_source(row_source: torch.Tensor, num_tokens: int, top_k: int):

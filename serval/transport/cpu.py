@@ -16,7 +16,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from . import split_source
+from . import PeerSlots, split_source
 
 SHM_DIR = "/dev/shm"
 
@@ -75,9 +75,21 @@ class SharedMemoryTransport:
         owner, _, _, local_source = split_source(row_source, self.num_tokens, self.top_k)
         if not complete:
             buffers[self.rank].zero_()
+
+        def write(_target):
+            for peer, buffer in enumerate(buffers):
+                mine = owner == peer
+                buffer[local_source[mine]] = rows[mine]  # each slot has exactly one writer in the group
+
+        slots = self.push_from(write, rows.shape[1], rows.dtype)
+        return slots.clone() if copy else slots
+
+    def push_from(self, write, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """See `serval.transport.Transport.push_from`; the table holds this process's mappings of the peers'
+        buffers (Triton kernels write through them under TRITON_INTERPRET=1)."""
+        buffers = self._peer_buffers("slots", self.num_tokens * self.top_k, cols, dtype)
+        table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         self._barrier()  # the owners are done with the previous contents (and have zeroed them)
-        for peer, buffer in enumerate(buffers):
-            mine = owner == peer
-            buffer[local_source[mine]] = rows[mine]  # each slot has exactly one writer in the group
+        write(PeerSlots(table, buffers[0].shape[0], cols, dtype, aligned=False))
         self._barrier()  # every row has landed
-        return buffers[self.rank].clone() if copy else buffers[self.rank]
+        return buffers[self.rank]

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import common
+from . import PeerSlots
 
 # NVLink multicast (NVLS) is never used by serval; torch reads this when it allocates.
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -62,28 +63,6 @@ MAX_BLOCK_R = 1024
 # ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _peer_rows(table_ptr, source, valid, slots_per_rank, row_elements, top_k,
-               ELEM_BYTES: tl.constexpr, BY_TOKEN: tl.constexpr, ALIGNED: tl.constexpr,
-               DTYPE: tl.constexpr):
-    """Typed pointer to the start of each row's peer row: the owner's token row (BY_TOKEN) or slot row.
-
-    source = (owner * N + token) * k + slot = owner * slots_per_rank + local source.
-    """
-    owner = source // slots_per_rank
-    local = source % slots_per_rank
-    if BY_TOKEN:
-        local = local // top_k
-    base = tl.load(table_ptr + owner, mask=valid, other=0)
-    address = base + local * (row_elements * ELEM_BYTES)
-    pointer = address.to(tl.pointer_type(DTYPE))
-    if ALIGNED:
-        # Loaded addresses carry no alignment facts; this one is what lets Triton emit
-        # 16-byte vector accesses (the host checked every base and the row pitch).
-        pointer = tl.multiple_of(pointer, 16)
-    return pointer
-
-
-@triton.jit
 def _pull_kernel(table_ptr, row_source_ptr, rows_ptr, num_rows, cols, slots_per_rank, top_k,
                  ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -99,8 +78,8 @@ def _pull_kernel(table_ptr, row_source_ptr, rows_ptr, num_rows, cols, slots_per_
     source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
     valid = source >= 0
     source = tl.where(valid, source, 0)
-    peer = _peer_rows(table_ptr, source, valid, slots_per_rank, cols, top_k,
-                      ELEM_BYTES, True, ALIGNED, rows_ptr.dtype.element_ty)
+    peer = common.peer_rows(table_ptr, source, valid, slots_per_rank, cols, top_k,
+                            True, ALIGNED, rows_ptr.dtype.element_ty)
     values = tl.load(peer[:, None] + c[None, :], mask=valid[:, None] & col_ok, other=0.0)
     tl.store(rows_ptr + rows.to(tl.int64)[:, None] * cols + c[None, :], values, mask=row_ok[:, None] & col_ok)
 
@@ -120,8 +99,8 @@ def _push_kernel(table_ptr, row_source_ptr, rows_ptr, stride_rows, num_rows, col
     source = tl.where(valid, source, 0)
     mask = valid[:, None] & col_ok
     values = tl.load(rows_ptr + rows.to(tl.int64)[:, None] * stride_rows + c[None, :], mask=mask)
-    peer = _peer_rows(table_ptr, source, valid, slots_per_rank, cols, 1,
-                      ELEM_BYTES, False, ALIGNED, rows_ptr.dtype.element_ty)
+    peer = common.peer_rows(table_ptr, source, valid, slots_per_rank, cols, 1,
+                            False, ALIGNED, rows_ptr.dtype.element_ty)
     tl.store(peer[:, None] + c[None, :], values, mask=mask)
 
 
@@ -284,12 +263,19 @@ class SymmetricMemoryTransport:
         num_rows, cols = rows.shape
         if row_source.shape[0] != num_rows:
             raise ValueError(f"push: {num_rows} rows but {row_source.shape[0]} row sources")
-        num_slots = self.num_tokens * self.top_k
-        buffer = self._buffer("slots", num_slots, cols, rows.dtype)
         if not complete:
-            buffer.local.zero_()
-        # every owner has zeroed its slots and finished reading the previous push's (stream order)
+            self._buffer("slots", self.num_tokens * self.top_k, cols, rows.dtype).local.zero_()
+        rows, row_source = rows.detach(), row_source.to(self.device)
+        slots = self.push_from(lambda target: push_rows(target.table, rows, row_source, target.num_slots,
+                                                        aligned=target.aligned), cols, rows.dtype)
+        return slots.clone() if copy else slots
+
+    def push_from(self, write, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """See `serval.transport.Transport.push_from`: write(PeerSlots) runs between the two barriers."""
+        num_slots = self.num_tokens * self.top_k
+        buffer = self._buffer("slots", num_slots, cols, dtype)
+        # every owner has finished reading the previous push's slots (and zeroed them: stream order)
         self._barrier(buffer)
-        push_rows(buffer.table, rows.detach(), row_source.to(self.device), num_slots, aligned=buffer.aligned)
+        write(PeerSlots(buffer.table, num_slots, cols, dtype, buffer.aligned))
         self._barrier(buffer)  # every peer's rows have landed in our slots
-        return buffer.local.clone() if copy else buffer.local
+        return buffer.local
