@@ -251,25 +251,31 @@ def compile_only(selected=None) -> None:
     pointers = {"a_ptr": "*bf16", "row_source_ptr": "*i32", "tile_expert_ptr": "*i32", "expert_offsets_ptr": "*i32",
                 "w0_ptr": "*bf16", "w1_ptr": "*bf16", "c_ptr": "*bf16", "h_ptr": "*bf16", "packed_ptr": "*i32",
                 "gate_up_ptr": "*bf16", "push_table_ptr": "*i64",
+                "pull_table_ptr": "*i64", "pull_flags_ptr": "*i32", "pull_epoch_ptr": "*i32",
                 "router_weights_ptr": "*fp32", "d_rw_partial_ptr": "*fp32"}
-    ints = ["stride_a", "top_k", "num_rows", "num_experts", "sched_block_m", "stride_c", "N_OUT", "K", "slots_per_rank"]
+    ints = ["stride_a", "top_k", "num_rows", "num_experts", "sched_block_m", "stride_c", "N_OUT", "K", "slots_per_rank",
+            "pull_slots_per_rank"]
     aligned = list(pointers) + ["stride_a", "stride_c", "N_OUT", "K"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"triton {triton.__version__}, sm_90a: shared memory (of 232448 B), registers, spill bytes")
     for stage, switches in STAGE_SWITCHES.items():
         if selected and stage not in selected:
             continue
-        builds = [(label, cfg, False) for label, cfg in {"default": gg.default_config(stage),
-                                                         **GPU_VARIANTS[stage]}.items()]
+        builds = [(label, cfg, False, 0) for label, cfg in {"default": gg.default_config(stage),
+                                                            **GPU_VARIANTS[stage]}.items()]
         if switches["EPILOGUE"] == "store":  # at EP: the rows pushed into the owners' slots from the epilogue
-            builds.append(("default, PUSH", gg.default_config(stage), True))
-        for label, cfg, push in builds:
+            builds.append(("default, PUSH", gg.default_config(stage), True, 0))
+        if stage == "gate_up_swiglu":  # at EP: the rows pulled by communication programs of the GEMM
+            builds.append(("default, PULL", gg.default_config(stage), False, gg.PULL_PROGRAMS))
+        for label, cfg, push, pull in builds:
             signature = {name: "constexpr" for name in fn.arg_names}
             signature.update(pointers, **{name: "i32" for name in ints}, swiglu_limit="fp32")
             constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                              NUM_PROGRAMS=132, A_GATHER=False, HAS_LIMIT=True, USE_TMA=True, UPCAST=False,
                              FLATTEN=cfg.flatten, EPI_SPLIT=cfg.epi_split,
-                             EPI_TMA_STORES_CFG=cfg.epi_tma_stores, PUSH=push, PUSH_ALIGNED=push, **switches)
+                             EPI_TMA_STORES_CFG=cfg.epi_tma_stores, PUSH=push, PUSH_ALIGNED=push,
+                             PULL_PROGRAMS=pull, PULL_ALIGNED=bool(pull), PULL_BLOCK_C=256, PROXY_FENCE=True,
+                             **switches)
             attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
             kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                                     options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))

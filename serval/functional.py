@@ -248,9 +248,14 @@ def _gemm_out(ops, gemm, cols: int, dtype, schedule: Schedule, transport):
 
 
 def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_limit, transport):
-    """Pre-activations and h of the routed experts and of the shared expert."""
-    x_rows = _rows_in(ops, x, schedule, transport)
-    gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, a_rows=x_rows)
+    """Pre-activations and h of the routed experts and of the shared expert. At EP the GEMM pulls its rows
+    from the owners itself where the backend can (`pull_into`), else they are pulled first."""
+    if transport is not None and ops.pulls_in_gemm():
+        gate_up, h = transport.pull_into(
+            lambda source: ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, pull_from=source), x)
+    else:
+        x_rows = _rows_in(ops, x, schedule, transport)
+        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, a_rows=x_rows)
     shared_gate_up = shared_h = None
     if shared is not None:
         ws_gate, ws_up, _ = _shared_weights(shared)

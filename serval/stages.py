@@ -31,6 +31,12 @@ def pushes_from_epilogue() -> bool:
     return False
 
 
+def pulls_in_gemm() -> bool:
+    """Whether gate_up_swiglu takes `pull_from` (reads its rows from the EP owners' buffers): not with
+    torch ops; the layer pulls the rows before it."""
+    return False
+
+
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

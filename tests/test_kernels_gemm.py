@@ -298,6 +298,35 @@ def check_push(case, stage, world_size, use_tma):
         assert torch.isnan(torch.stack(buffers)[~written].float()).all(), f"{stage}: a slot no row maps to was written"
 
 
+def check_pull(case, world_size, use_tma, limit=None):
+    """The gate/up GEMM pulling its own rows (pull_from, PULL_PROGRAMS communication programs) from P virtual
+    ranks' token buffers: consecutive chunks of x, each padded with NaN tokens no source maps to (a read of
+    one would show). Bitwise the gate_up and h of the plain GEMM on x."""
+    from serval.transport import PeerTokens, symm
+
+    schedule, x = case["schedule"], case["x"]
+    args = (case["w_gate"], case["w_up"], schedule, limit)
+    want = grouped_gemm.gate_up_swiglu(x, *args, use_tma=use_tma)
+    per_rank = -(-x.shape[0] // world_size) + 1
+    padded = torch.full((world_size * per_rank, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    buffers = [padded[p * per_rank:(p + 1) * per_rank].clone() for p in range(world_size)]
+    addresses = [b.data_ptr() for b in buffers]
+    table = torch.tensor(addresses, dtype=torch.int64, device=x.device)
+    for aligned in {False, symm.vector_aligned(addresses, x.shape[1], 2)}:
+        source = PeerTokens(table, per_rank, schedule.top_k, x.shape[1], x.dtype, aligned)
+        for _ in range(2):  # the second call waits for the next epoch, not the first call's flags
+            got = grouped_gemm.gate_up_swiglu(torch.empty_like(x), *args, use_tma=use_tma, pull_from=source)
+            assert_bitwise_equal(got, want, "gate_up_swiglu pulling its rows")
+
+
+@pytest.mark.parametrize("routing", ["random", "empty_experts", "one_expert", "one_token"])
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("use_tma", TMA_CHOICES)
+def test_gate_up_pulls_its_rows(routing, world_size, use_tma):
+    check_pull(make_case(routing), world_size, use_tma)
+
+
 @pytest.mark.parametrize("routing", ["random", "empty_experts", "one_token"])
 @pytest.mark.parametrize("world_size", [1, 3])
 @pytest.mark.parametrize("stage", ["down", "gate_up_dgrad"])
@@ -433,6 +462,12 @@ def test_gpu_all_stages(how, use_tma):
             check(a, b, f"{name} ({epilogue_io})")
     check(run_twice(grouped_gemm.gate_up_dgrad, ref[0], case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
           stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule), "d_x_rows")
+
+
+@needs_cuda
+@pytest.mark.parametrize("how", ["random", "last_expert"])
+def test_gpu_gate_up_pulls_its_rows(how):
+    check_pull(_gpu_case(how), world_size=4, use_tma=True, limit=7.0)
 
 
 @needs_cuda

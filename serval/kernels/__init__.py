@@ -23,6 +23,7 @@ __all__ = [
     "gate_up_weight_grad",
     "gather",
     "sum_slots",
+    "pulls_in_gemm",
     "pushes_from_epilogue",
     "supports",
 ]
@@ -32,6 +33,12 @@ def pushes_from_epilogue() -> bool:
     """Whether down / gate_up_dgrad write their rows into the EP owners' slots themselves (`push_to`):
     grouped_gemm.PUSH_FROM_EPILOGUE."""
     return grouped_gemm.PUSH_FROM_EPILOGUE
+
+
+def pulls_in_gemm() -> bool:
+    """Whether gate_up_swiglu pulls its rows from the EP owners' buffers itself (`pull_from`):
+    grouped_gemm.PULL_PROGRAMS > 0 communication programs inside the GEMM."""
+    return grouped_gemm.PULL_PROGRAMS > 0
 
 
 def supports(feature_dims) -> bool:

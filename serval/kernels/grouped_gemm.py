@@ -43,6 +43,15 @@ constexpr switches select the variant, so the compiler specialises each use:
   gate/up dgrad backward). The tile's rows go out over NVLink while later tiles compute, and the [R, C]
   rows are never written to memory and read back by a push kernel. Padding rows write nothing. Pointer
   stores (scattered rows, peers' memory: no TMA); PUSH_ALIGNED: 16-byte vectors (host-checked).
+* PULL_PROGRAMS > 0 (at expert parallelism, the gate/up GEMM): the dispatch inside the GEMM. The first
+  PULL_PROGRAMS programs are communication programs: they pull the A rows of M-tile after M-tile (in the
+  order the compute programs take them) from the owners' token buffers into the [R, K] A buffer, and
+  publish each M-tile with a flag (release); the other programs compute, and wait for their tile's flag
+  (acquire, then a proxy fence: TMA reads what generic stores wrote) before its K loop. So the pull runs
+  under the GEMM instead of before it. Flags hold the call's epoch (a device counter bumped before each
+  launch): never reset, CUDA-graph safe. A wait is bounded: past about 10 s the program prints the tile
+  and traps (the CUDA context is lost, as when a transport barrier times out): an error, never a hang.
+  Every program is resident at once (one per SM), and the pull programs have the lowest ids.
   UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set it there only).
 
 Persistent: the grid is one program per SM (NUM_PROGRAMS of them, fewer when the capacity
@@ -77,7 +86,7 @@ import triton
 import triton.language as tl
 
 from ..schedule import Schedule, packed_index
-from ..transport import PeerSlots
+from ..transport import PeerSlots, PeerTokens
 from . import common, swiglu
 from . import warp_specialized as warp_specialized_kernel
 from .rows import gather as gather_rows
@@ -257,6 +266,44 @@ def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c
     return d_rw_part
 
 
+@triton.jit
+def _pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, num_m_tiles, slots_per_rank, top_k, K,
+                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PULL_PROGRAMS: tl.constexpr, ALIGNED: tl.constexpr):
+    """A communication program: M-tiles p, p + PULL_PROGRAMS, ... of A pulled from the owners' token buffers
+    (zeros on padding rows), each published with flag = epoch once all its rows are stored."""
+    for m_tile in range(tl.program_id(0), num_m_tiles, PULL_PROGRAMS):
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        source = tl.load(row_source_ptr + rows).to(tl.int64)
+        valid = source >= 0
+        peer = common.peer_rows(table_ptr, tl.where(valid, source, 0), valid, slots_per_rank, K, top_k,
+                                True, ALIGNED, a_ptr.dtype.element_ty)
+        for c0 in range(0, K, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            values = tl.load(peer[:, None] + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
+            tl.store(a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :], values, mask=(cols < K)[None, :])
+        tl.debug_barrier()  # every thread's stores are done before the flag's release
+        tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
+
+
+# spins of about a microsecond each: a wait gives up after ~10 s
+MAX_SPINS = tl.constexpr(1 << 23)
+
+
+@triton.jit
+def _wait_for_rows(flag_ptr, epoch, m_tile, PROXY_FENCE: tl.constexpr):
+    """Wait (bounded) until a communication program has published M-tile m_tile of this call."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < epoch) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < epoch:
+        tl.device_print("serval: timed out waiting for the pulled rows of M-tile ", m_tile)
+        tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    if PROXY_FENCE:  # the rows were written by generic stores and are read by TMA (the async proxy)
+        tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # ---------------------------------------------------------------- the kernel
 
 
@@ -266,6 +313,8 @@ def _grouped_gemm_kernel(
     a_ptr, stride_a, row_source_ptr, top_k, num_rows,
     # PUSH: the peers' slot buffers [slots_per_rank, N_OUT], one int64 address per rank
     push_table_ptr, slots_per_rank,
+    # PULL_PROGRAMS: the owners' token buffers [N, K] (one int64 address per rank), a flag per M-tile, the epoch
+    pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr,
     # schedule
     tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
     # weights: w0 (and w1 for swiglu_fwd / K_SPLIT), [E, N_OUT, K] if W_NK else [E, K, N_OUT]
@@ -282,6 +331,7 @@ def _grouped_gemm_kernel(
     A_GATHER: tl.constexpr, W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
     EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
+    PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr, PULL_BLOCK_C: tl.constexpr, PROXY_FENCE: tl.constexpr,
 ):
     DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
     SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [*, 2 N_OUT] and [R, N_OUT]
@@ -342,10 +392,19 @@ def _grouped_gemm_kernel(
         c1_desc = c_ptr
         h_desc = h_ptr
 
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+    first_tile = tl.program_id(0)
+    if PULL_PROGRAMS > 0:
+        epoch = tl.load(pull_epoch_ptr)
+        if tl.program_id(0) < PULL_PROGRAMS:
+            _pull_tiles(pull_table_ptr, row_source_ptr, a_ptr, stride_a, pull_flags_ptr, epoch, num_m_tiles,
+                        pull_slots_per_rank, top_k, K, BLOCK_M, PULL_BLOCK_C, PULL_PROGRAMS, PULL_ALIGNED)
+        first_tile = tl.where(tl.program_id(0) < PULL_PROGRAMS, num_tiles, tl.program_id(0) - PULL_PROGRAMS)
+    for tile_id in tl.range(first_tile, num_tiles, NUM_PROGRAMS - PULL_PROGRAMS, flatten=FLATTEN):
         m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
         m0 = m_tile * BLOCK_M
         n0 = n_tile * BLOCK_N
+        if PULL_PROGRAMS > 0:
+            _wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile, PROXY_FENCE)
         expert = tl.load(tile_expert_ptr + m0 // sched_block_m)
         rows = m0 + tl.arange(0, BLOCK_M)
 
@@ -466,7 +525,8 @@ def _check(a: torch.Tensor, *weights: torch.Tensor):
 
 def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gather: bool, w_nk: bool,
             k_split: bool, epilogue: str, config: TileConfig, use_tma: bool | None, swiglu_limit=None,
-            packed=None, gate_up=None, router_weights=None, d_rw_partial=None, push_to: PeerSlots | None = None):
+            packed=None, gate_up=None, router_weights=None, d_rw_partial=None, push_to: PeerSlots | None = None,
+            pull_from: PeerTokens | None = None, pull_programs: int = 0):
     """Launch the persistent grid for one stage; returns nothing (outputs are written in place: `out`, or
     with push_to the peers' slot buffers, `out` then unused)."""
     w0, w1 = weights[0], weights[-1]
@@ -493,9 +553,17 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
     dummy = out  # stands in for pointers a variant does not use
+    pull = (dummy, 0, dummy, dummy)
+    if pull_from is not None:
+        pull_programs = max(1, min(pull_programs, common.num_sms(a.device.index) - 1))
+        num_programs = common.num_sms(a.device.index)  # every program resident at once, pull programs first
+        flags, epoch = _pull_flags(a.device, schedule.capacity // block_m)
+        epoch.add_(1)
+        pull = (pull_from.table, pull_from.num_tokens * pull_from.top_k, flags, epoch)
     _grouped_gemm_kernel[(num_programs,)](
         a, a.stride(0), schedule.row_source, schedule.top_k, schedule.capacity,
         push_to.table if push_to is not None else dummy, push_to.num_slots if push_to is not None else 0,
+        *pull,
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m,
         w0, w1,
         out, out.stride(0), h if h is not None else dummy,
@@ -508,9 +576,29 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         A_GATHER=a_gather, W_NK=w_nk, K_SPLIT=k_split, EPILOGUE=epilogue,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET, FLATTEN=config.flatten,
         EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, PUSH=push_to is not None,
-        PUSH_ALIGNED=push_to is not None and push_to.aligned, num_warps=config.num_warps,
+        PUSH_ALIGNED=push_to is not None and push_to.aligned,
+        PULL_PROGRAMS=pull_programs if pull_from is not None else 0, PULL_ALIGNED=pull_from is not None and pull_from.aligned,
+        PULL_BLOCK_C=min(256, triton.next_power_of_2(k)), PROXY_FENCE=use_tma and not common.INTERPRET,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+_PULL_FLAGS: dict = {}
+
+
+def _pull_flags(device: torch.device, num_m_tiles: int):
+    """(flags [>= num_m_tiles] int32, epoch [1] int32) of the in-GEMM pull on this device: allocated on first
+    use (zeros) and kept, so flags only ever hold past epochs. Larger capacities get new flags (zeros < epoch)."""
+    flags, epoch = _PULL_FLAGS.get(device, (None, None))
+    if flags is None or flags.numel() < num_m_tiles:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("serval: the dispatch flags are first needed inside CUDA graph capture; run the "
+                               "layer once before capturing")
+        flags = torch.zeros(max(num_m_tiles, 1), dtype=torch.int32, device=device)
+        epoch = epoch if epoch is not None else torch.zeros(1, dtype=torch.int32, device=device)
+        _PULL_FLAGS[device] = flags, epoch
+    return flags, epoch
 
 
 # Forward A operand: ENVIRONMENT.md measured gather kernel + TMA GEMM (673 / 550 TFLOP/s with the gather,
@@ -520,18 +608,31 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
 FUSED_GATHER = False
 
 
+# At EP the gate/up GEMM pulls its rows itself with this many communication programs (0: the transport's pull
+# kernel runs before it). BENCHMARKS.md has the EP=2 A/B.
+PULL_PROGRAMS = 8
+
+
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *,
                    fused_gather: bool | None = None, a_rows: torch.Tensor | None = None,
-                   config: TileConfig | None = None, use_tma: bool | None = None):
+                   pull_from: PeerTokens | None = None, config: TileConfig | None = None,
+                   use_tma: bool | None = None):
     """Gather + grouped GEMM gate/up + SwiGLU: (gate_up packed [num_packed, 2I], h [R, I]), as stages.
 
     fused_gather: gather x rows inside the GEMM (A_GATHER) instead of a gather kernel + TMA reads of the
     gathered rows (default FUSED_GATHER). a_rows: the already gathered rows (= rows.gather(x, schedule)).
+    pull_from: at EP, the owners' token buffers: PULL_PROGRAMS of the GEMM's programs pull the rows from them
+    while the others compute (x is then not read; see PULL_PROGRAMS in the module docstring).
     """
     _check(x, w_gate, w_up)
     num_rows, (_, inter, hidden) = schedule.capacity, w_gate.shape
     fused = FUSED_GATHER if fused_gather is None else fused_gather
-    if a_rows is None and not fused:
+    if pull_from is not None:
+        if a_rows is not None or pull_from.cols != hidden or pull_from.dtype != x.dtype:
+            raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns (x: [{hidden}] "
+                             f"{x.dtype}), and no a_rows")
+        a_rows = common.empty((num_rows, hidden), x.dtype, x.device)
+    elif a_rows is None and not fused:
         a_rows = gather_rows(x, schedule)
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
     h = common.empty((num_rows, inter), x.dtype, x.device)
@@ -539,7 +640,8 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
     _launch(a=a.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=gate_up, h=h,
             schedule=schedule, n_out=inter, k=hidden, a_gather=a_rows is None, w_nk=True, k_split=False,
             epilogue="swiglu_fwd", config=config or default_config("gate_up_swiglu", x.dtype), use_tma=use_tma,
-            swiglu_limit=swiglu_limit, packed=packed_index(schedule))
+            swiglu_limit=swiglu_limit, packed=packed_index(schedule), pull_from=pull_from,
+            pull_programs=PULL_PROGRAMS)
     return gate_up, h
 
 

@@ -11,6 +11,9 @@ Every movement of the MoE layer is one of two primitives over the schedule's
   once every peer's writes have landed. Forward combine pushes expert outputs (the
   owner then sums its k slots in slot order); backward reverse-dispatch pushes d_x rows
   and d_router_weights.
+* ``pull_into(consume, tokens) -> consume's result``: the same exchange for a consumer that reads the
+  rows from the owners' buffers itself: ``consume(PeerTokens)`` runs between the two barriers of a pull.
+  The gate/up GEMM takes it as `pull_from` (`serval.kernels.grouped_gemm`, PULL_PROGRAMS).
 * ``push_from(write, cols, dtype) -> slots``: the same exchange for a producer that writes its rows
   into the owners' slots itself: ``write(PeerSlots)`` gets the table of every rank's slot buffer
   address, between the two barriers of a push. The Triton GEMMs that make the expert outputs and
@@ -31,6 +34,19 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Protocol
 
 import torch
+
+
+class PeerTokens(NamedTuple):
+    """Where `pull_into`'s consumer reads: token t of rank p's token buffer [num_tokens, cols] (dtype) starts
+    at address table[p] + t * cols * itemsize (sources: (p * num_tokens + t) * top_k + slot); table is an
+    int64 tensor on the rows' device; aligned as in PeerSlots."""
+
+    table: torch.Tensor
+    num_tokens: int
+    top_k: int
+    cols: int
+    dtype: torch.dtype
+    aligned: bool
 
 
 class PeerSlots(NamedTuple):
@@ -69,6 +85,10 @@ class Transport(Protocol):
         zero fill is skipped. copy=False: the transport's slot buffer itself, valid until the next push of
         the same [C, dtype] (every rank's next push starts with a barrier that waits for work queued before
         it, so a consumer queued first is safe)."""
+
+    def pull_into(self, consume: Callable[[PeerTokens], object], tokens: torch.Tensor):
+        """pull for a consumer that reads the rows itself: once every owner's tokens [N, C] are in its
+        buffer, returns consume(PeerTokens); the buffers stay untouched until every rank's consumer is done."""
 
     def push_from(self, write: Callable[[PeerSlots], None], cols: int, dtype: torch.dtype) -> torch.Tensor:
         """push(complete=True, copy=False) for a producer that writes the rows itself: once every owner is

@@ -16,7 +16,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from . import PeerSlots, split_source
+from . import PeerSlots, PeerTokens, split_source
 
 SHM_DIR = "/dev/shm"
 
@@ -58,16 +58,28 @@ class SharedMemoryTransport:
         return torch.cat(parts)
 
     def pull(self, tokens: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
+        owner, token, _, _ = split_source(row_source, self.num_tokens, self.top_k)
+        buffers = self._peer_buffers("tokens", self.num_tokens, tokens.shape[1], tokens.dtype)
+
+        def read(_source):
+            rows = tokens.new_zeros(row_source.shape[0], tokens.shape[1])
+            for peer, buffer in enumerate(buffers):
+                mine = owner == peer
+                rows[mine] = buffer[token[mine]]
+            return rows
+
+        return self.pull_into(read, tokens)
+
+    def pull_into(self, consume, tokens: torch.Tensor):
+        """See `serval.transport.Transport.pull_into`; the table holds this process's mappings of the peers'
+        buffers (Triton kernels read through them under TRITON_INTERPRET=1)."""
         buffers = self._peer_buffers("tokens", self.num_tokens, tokens.shape[1], tokens.dtype)
         buffers[self.rank].copy_(tokens)
         self._barrier()  # every rank's tokens are in place
-        owner, token, _, _ = split_source(row_source, self.num_tokens, self.top_k)
-        rows = tokens.new_zeros(row_source.shape[0], tokens.shape[1])
-        for peer, buffer in enumerate(buffers):
-            mine = owner == peer
-            rows[mine] = buffer[token[mine]]
+        table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+        result = consume(PeerTokens(table, self.num_tokens, self.top_k, tokens.shape[1], tokens.dtype, aligned=False))
         self._barrier()  # every rank has read: the buffers may be reused
-        return rows
+        return result
 
     def push(self, rows: torch.Tensor, row_source: torch.Tensor, *, complete: bool = False,
              copy: bool = True) -> torch.Tensor:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import common
-from . import PeerSlots
+from . import PeerSlots, PeerTokens
 
 # NVLink multicast (NVLS) is never used by serval; torch reads this when it allocates.
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -240,16 +240,21 @@ class SymmetricMemoryTransport:
 
     def pull(self, tokens: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
         """tokens [N, C] -> rows [R, C]: rows[r] = owner(r)'s tokens[token(r)]; zeros where row_source is -1."""
+        row_source = row_source.to(self.device)
+        return self.pull_into(lambda source: pull_rows(source.table, row_source, source.num_tokens, source.top_k,
+                                                       source.cols, source.dtype, aligned=source.aligned), tokens)
+
+    def pull_into(self, consume, tokens: torch.Tensor):
+        """See `serval.transport.Transport.pull_into`: consume(PeerTokens) runs between the two barriers."""
         num_tokens, cols = tokens.shape
         if num_tokens != self.num_tokens:
             raise ValueError(f"pull: tokens has {num_tokens} rows, the transport was built for N = {self.num_tokens}")
         buffer = self._buffer("tokens", num_tokens, cols, tokens.dtype)
         buffer.local.copy_(tokens.detach())
         self._barrier(buffer)  # every owner's tokens are in place
-        rows = pull_rows(buffer.table, row_source.to(self.device), self.num_tokens, self.top_k, cols,
-                         tokens.dtype, aligned=buffer.aligned)
+        result = consume(PeerTokens(buffer.table, num_tokens, self.top_k, cols, tokens.dtype, buffer.aligned))
         self._barrier(buffer)  # every reader is done: the next pull may overwrite the buffers
-        return rows
+        return result
 
     def push(self, rows: torch.Tensor, row_source: torch.Tensor, *, complete: bool = False,
              copy: bool = True) -> torch.Tensor:
