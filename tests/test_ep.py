@@ -33,7 +33,10 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
     return (y.detach(), *torch.autograd.grad(y, inputs, d_y))
 
 
-def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens):
+def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs):
+    from serval.kernels import grouped_gemm
+
+    grouped_gemm.PULL_PROGRAMS = pull_programs
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
@@ -81,9 +84,11 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         dist.destroy_process_group()
 
 
-def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N):
-    mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens),
-             nprocs=world_size, join=True)
+def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
+        pull_programs=0):
+    """pull_programs: grouped_gemm.PULL_PROGRAMS in the ranks (the gate/up GEMM pulling its own rows)."""
+    mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
+                           pull_programs), nprocs=world_size, join=True)
 
 
 def push_worker(rank, world_size, init_file):
@@ -134,8 +139,9 @@ def test_ep_capacity_overflow_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
-def test_ep_triton_kernels_in_interpreter(tmp_path):
-    run(2, tmp_path, backend="triton")
+@pytest.mark.parametrize("pull_programs", [0, 2])
+def test_ep_triton_kernels_in_interpreter(pull_programs, tmp_path):
+    run(2, tmp_path, backend="triton", pull_programs=pull_programs)
 
 
 @requires_cuda

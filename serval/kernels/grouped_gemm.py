@@ -46,8 +46,8 @@ constexpr switches select the variant, so the compiler specialises each use:
 * PULL_PROGRAMS > 0 (at expert parallelism, the gate/up GEMM): the dispatch inside the GEMM. The first
   PULL_PROGRAMS programs are communication programs: they pull the A rows of M-tile after M-tile (in the
   order the compute programs take them) from the owners' token buffers into the [R, K] A buffer, and
-  publish each M-tile with a flag (release); the other programs compute, and wait for their tile's flag
-  (acquire, then a proxy fence: TMA reads what generic stores wrote) before its K loop. So the pull runs
+  publish each M-tile with a flag (a proxy fence first: TMA reads what generic stores wrote; then release);
+  the other programs compute, and wait for their tile's flag (acquire) before its K loop. So the pull runs
   under the GEMM instead of before it. Flags hold the call's epoch (a device counter bumped before each
   launch): never reset, CUDA-graph safe. A wait is bounded: past about 10 s the program prints the tile
   and traps (the CUDA context is lost, as when a transport barrier times out): an error, never a hang.
@@ -268,7 +268,8 @@ def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c
 
 @triton.jit
 def _pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, num_m_tiles, slots_per_rank, top_k, K,
-                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PULL_PROGRAMS: tl.constexpr, ALIGNED: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PULL_PROGRAMS: tl.constexpr, ALIGNED: tl.constexpr,
+                PROXY_FENCE: tl.constexpr):
     """A communication program: M-tiles p, p + PULL_PROGRAMS, ... of A pulled from the owners' token buffers
     (zeros on padding rows), each published with flag = epoch once all its rows are stored."""
     for m_tile in range(tl.program_id(0), num_m_tiles, PULL_PROGRAMS):
@@ -281,6 +282,8 @@ def _pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, nu
             cols = c0 + tl.arange(0, BLOCK_C)
             values = tl.load(peer[:, None] + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
             tl.store(a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :], values, mask=(cols < K)[None, :])
+        if PROXY_FENCE:  # the compute programs read these rows with TMA (the async proxy): order them for it
+            tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()  # every thread's stores are done before the flag's release
         tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
 
@@ -290,7 +293,7 @@ MAX_SPINS = tl.constexpr(1 << 23)
 
 
 @triton.jit
-def _wait_for_rows(flag_ptr, epoch, m_tile, PROXY_FENCE: tl.constexpr):
+def _wait_for_rows(flag_ptr, epoch, m_tile):
     """Wait (bounded) until a communication program has published M-tile m_tile of this call."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
@@ -300,8 +303,6 @@ def _wait_for_rows(flag_ptr, epoch, m_tile, PROXY_FENCE: tl.constexpr):
     if seen < epoch:
         tl.device_print("serval: timed out waiting for the pulled rows of M-tile ", m_tile)
         tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    if PROXY_FENCE:  # the rows were written by generic stores and are read by TMA (the async proxy)
-        tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # ---------------------------------------------------------------- the kernel
@@ -397,14 +398,14 @@ def _grouped_gemm_kernel(
         epoch = tl.load(pull_epoch_ptr)
         if tl.program_id(0) < PULL_PROGRAMS:
             _pull_tiles(pull_table_ptr, row_source_ptr, a_ptr, stride_a, pull_flags_ptr, epoch, num_m_tiles,
-                        pull_slots_per_rank, top_k, K, BLOCK_M, PULL_BLOCK_C, PULL_PROGRAMS, PULL_ALIGNED)
+                        pull_slots_per_rank, top_k, K, BLOCK_M, PULL_BLOCK_C, PULL_PROGRAMS, PULL_ALIGNED, PROXY_FENCE)
         first_tile = tl.where(tl.program_id(0) < PULL_PROGRAMS, num_tiles, tl.program_id(0) - PULL_PROGRAMS)
     for tile_id in tl.range(first_tile, num_tiles, NUM_PROGRAMS - PULL_PROGRAMS, flatten=FLATTEN):
         m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
         m0 = m_tile * BLOCK_M
         n0 = n_tile * BLOCK_N
         if PULL_PROGRAMS > 0:
-            _wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile, PROXY_FENCE)
+            _wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile)
         expert = tl.load(tile_expert_ptr + m0 // sched_block_m)
         rows = m0 + tl.arange(0, BLOCK_M)
 
@@ -578,7 +579,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, a_gat
         EPI_SPLIT=config.epi_split, EPI_TMA_STORES_CFG=config.epi_tma_stores, PUSH=push_to is not None,
         PUSH_ALIGNED=push_to is not None and push_to.aligned,
         PULL_PROGRAMS=pull_programs if pull_from is not None else 0, PULL_ALIGNED=pull_from is not None and pull_from.aligned,
-        PULL_BLOCK_C=min(256, triton.next_power_of_2(k)), PROXY_FENCE=use_tma and not common.INTERPRET,
+        PULL_BLOCK_C=min(PULL_BLOCK_C, triton.next_power_of_2(k)), PROXY_FENCE=use_tma and not common.INTERPRET,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -608,9 +609,14 @@ def _pull_flags(device: torch.device, num_m_tiles: int):
 FUSED_GATHER = False
 
 
-# At EP the gate/up GEMM pulls its rows itself with this many communication programs (0: the transport's pull
-# kernel runs before it). BENCHMARKS.md has the EP=2 A/B.
-PULL_PROGRAMS = 8
+# At EP the gate/up GEMM can pull its rows itself with this many communication programs (0: the transport's pull
+# kernel runs before it). Off: on two H200s (kimi-k2, EP=2, forward) it took 10.3-10.9 ms with 8, 16 or 32 of
+# them, 256 or 512 columns a step, the proxy fence on either side, against 8.55-8.62 ms with the pull kernel
+# first (BENCHMARKS.md, eighth session). Kept, tested, as the start of the communication programs of the fused
+# kernel.
+PULL_PROGRAMS = 0
+# columns a communication program copies per step (BLOCK_M rows at a time)
+PULL_BLOCK_C = 256
 
 
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *,
