@@ -23,9 +23,10 @@ class Config:
         "triton" / "torch" force one (the Triton kernels also run under TRITON_INTERPRET=1 on CPU).
     block_m: rows per expert segment alignment = the M tile of every grouped GEMM.
     recompute: keep only the inputs for backward and recompute the gate/up GEMM there.
-    comm_sms_forward / comm_sms_backward: SMs given to communication in the fused EP kernel.
-    minibatch_size: rows per compute/communication overlap step (a multiple of block_m).
-    macrobatch_size: tokens per macrobatch of the fused kernel (None: the whole batch).
+    comm_sms_forward / comm_sms_backward, minibatch_size (rows per compute/communication overlap step, a
+        multiple of block_m), macrobatch_size (tokens per macrobatch, None: the whole batch): for the fused
+        persistent EP kernel, validated and not read yet (the communication programs that exist, inside the
+        gate/up GEMM, are set by `serval.kernels.grouped_gemm.PULL_PROGRAMS`).
     capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
     debug: run host-side value checks (expert id range) that synchronise with the device.
     """
