@@ -42,7 +42,8 @@ into the symmetric buffer and two barriers. --link-gbps (default 450, H200 NVLin
 beside.
 
 --variant "name: module.path=value; ..." (as benchmarks/layer_variants.py takes it) also runs serval with
-those serval.kernels settings, recorded as impl "serval (name)", right after serval's default.
+those serval.kernels settings, recorded as impl "serval (name)", right after serval's default; a setting
+"config.field=value" sets a field of the serval.Config it runs with instead (e.g. config.block_m=64).
 
 Records appended by rank 0 to --out (default benchmarks/results/h200x<P>_ep.json): {shape, impl, scope, pass,
 ep, ms, tflops, stage_ms, dispatch_gbps, link_gbps, rel_err, rel_errs, saved_mem_gib,
@@ -131,9 +132,9 @@ def make_rank_inputs(shape, rank, world_size, device, seed):
 # implementations: impl(p, topk_ids, group) -> y [N, H], p from bench_layer.make_params (this rank's experts)
 
 
-def serval_ep(p, topk_ids, group):
+def serval_ep(p, topk_ids, group, config=None):
     return serval.moe(p["x"], p["router_weights"], topk_ids, p["w_gate"], p["w_up"], p["w_down"], shared_of(p),
-                      group=group)
+                      group=group, config=config)
 
 
 def inverse(perm):
@@ -240,10 +241,9 @@ def remote_rows(workspace, topk_ids, router_weights):
     return int(((owner >= 0) & (owner != workspace.rank)).sum())
 
 
-def serval_stage_times(p, topk_ids, group, args, device):
+def serval_stage_times(p, topk_ids, group, args, device, config):
     """{stage_ms, dispatch_gbps, link_gbps} of serval's forward: per-stage medians over
     --iters runs after --warmup, each the largest over the ranks."""
-    config = serval.Config()
     workspace = serval_workspace(p, topk_ids, group, config)
     clock, elapsed = stage_clock(device)
     with torch.no_grad():
@@ -274,17 +274,18 @@ def soak(fn, seconds, device):
 # -----------------------------------------------------------------------------
 
 
-def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label=None):
+def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label=None, config=None):
     """Check one implementation against the reference (nccl_a2a), then time each pass. Returns its records
-    (impl = label, default the name)."""
+    (impl = label, default the name). config: serval's Config (default Config())."""
     shape, topk_ids, dy = inp["shape"], inp["topk_ids"], inp["dy"]
-    impl = functools.partial(IMPL_FNS[name], group=group)  # bench_layer's impl(p, topk_ids)
+    config = config or serval.Config()
+    impl = functools.partial(IMPL_FNS[name], group=group,  # bench_layer's impl(p, topk_ids)
+                             **({"config": config} if name == "serval" else {}))
     p = make_params(inp, scope)
     label = label or name
     tag = f"{shape_name:<16} {scope:<6} {label:<9}"
     errs = bench_layer.check(impl, p, topk_ids, dy, ref)
     if name == "serval":  # the stage-by-stage path timed below must be what serval.moe computes
-        config = serval.Config()
         with torch.no_grad():
             y_staged, _ = serval_staged_forward(p, topk_ids, serval_workspace(p, topk_ids, group, config), config,
                                                 clock=lambda: None)
@@ -313,7 +314,7 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
             mem = f"  saved {rec['saved_mem_gib']:6.2f} GiB  peak {rec['peak_mem_gib']:6.2f} GiB"
         log(f"{tag} {ps:<6} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s per GPU{mem}")
         if name == "serval" and ps == "fwd":
-            rec.update(serval_stage_times(p, topk_ids, group, args, device))
+            rec.update(serval_stage_times(p, topk_ids, group, args, device, config))
             log(f"{tag} stages " + " ".join(f"{s} {t:.3f}" for s, t in rec["stage_ms"].items()) + " ms; "
                 f"dispatch {rec['dispatch_gbps']:.4g} GB/s ({rec['dispatch_gbps'] / args.link_gbps:.0%} of "
                 f"{args.link_gbps:g})")
@@ -416,9 +417,13 @@ def main():
                 at = impls.index("serval") + 1
                 runs[at:at] = [("serval", f"serval ({label})", settings) for label, settings in variants]
             for name, label, settings in runs:
-                saved = layer_variants.apply(settings)
+                config = serval.Config(**{path.split(".", 1)[1]: value for path, value in settings
+                                          if path.startswith("config.")})
+                saved = layer_variants.apply([(path, value) for path, value in settings
+                                              if not path.startswith("config.")])
                 try:
-                    records = bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label)
+                    records = bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label,
+                                         config)
                 finally:
                     layer_variants.undo(saved)
                 if rank == 0:
