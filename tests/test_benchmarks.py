@@ -37,12 +37,15 @@ def test_kernel_stages_tiny():
 
 
 def test_bench_ep_tiny(tmp_path):
-    """Two gloo processes on the CPU (torchrun), serval's EP layer against NCCL-style all_to_all + grouped_mm."""
+    """Two gloo processes on the CPU (torchrun), serval's EP layer against NCCL-style all_to_all + grouped_mm,
+    and serval with a variant (a kernel flag and a Config field)."""
     out = tmp_path / "records.json"
-    run_script("bench_ep.py", "--tiny", "--out", str(out),
+    run_script("bench_ep.py", "--tiny", "--out", str(out), "--variant",
+               "v: grouped_gemm.PUSH_FROM_EPILOGUE=False; config.block_m=64",
                launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
     records = json.load(open(out))
-    assert {r["impl"] for r in records} >= {"serval"} and all(r["error"] is None and r["ms"] > 0 for r in records)
+    assert {r["impl"] for r in records} == {"serval", "serval (v)", "nccl_a2a"}
+    assert all(r["error"] is None and r["ms"] > 0 for r in records)
 
 
 def test_layer_variants_tiny(tmp_path):
