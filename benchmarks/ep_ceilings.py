@@ -8,6 +8,9 @@ what serval's dispatch (pull) and combine (push) could reach at best, beside wha
   push      serval's push kernel (transport.symm.push_rows): every row written into a peer's buffer
   ce_read   the copy engines: local.copy_(peer's buffer), one peer after another (cudaMemcpy peer-to-peer)
   local     the pull kernel reading this GPU's own buffer: the HBM copy rate of the same kernel
+  comm<G>   the gate/up GEMM's communication programs alone (grouped_gemm._pull_tiles, PULL_PROGRAMS = G):
+            G persistent programs pulling the same rows 128 at a time, as they do inside the GEMM; how many
+            SMs a dispatch under the GEMM needs (--comm-programs)
 
 R = --rows remote rows per GPU (the MoE message: N * k * (P - 1) / P rows of H, e.g. 4096 tokens, k = 8 at
 EP=8 is ~28k rows), H = --hidden. GB/s = R * H * 2 bytes moved across GPUs (local: copied) per GPU and
@@ -33,11 +36,23 @@ import statistics
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 import bench_layer  # puts this checkout's serval first on the path
+from serval.kernels import grouped_gemm
 from serval.transport import symm
 
 IMPLS = ["nccl_a2a", "pull", "push", "ce_read", "local"]
+COMM_BLOCK_M = 128  # rows per step of a communication program (the gate/up GEMM's M-tile)
+
+
+@triton.jit
+def _comm_programs_kernel(table_ptr, row_source_ptr, out_ptr, flags_ptr, num_m_tiles, rows_per_rank, K,
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
+                          ALIGNED: tl.constexpr):
+    grouped_gemm._pull_tiles(table_ptr, row_source_ptr, out_ptr, K, flags_ptr, 1, num_m_tiles, rows_per_rank, 1, K,
+                             BLOCK_M, BLOCK_C, PROGRAMS, ALIGNED, False)
 MODES = ["all", "one"]
 
 
@@ -59,7 +74,7 @@ def pattern(owner, row, hidden):
     return ((row[:, None] * hidden + col + owner[:, None] * 7) % 251).to(torch.bfloat16)
 
 
-def transfers(rows, hidden, rank, world_size, device, group):
+def transfers(rows, hidden, rank, world_size, device, group, comm_programs=()):
     """(rows, {impl: (fn, check)}): fn() moves the rows once; check() moves them and says whether they are right.
     Remote row r of this rank belongs to peer (rank + 1 + r % (P - 1)) % P: the peers in turn."""
     share = rows // (world_size - 1)  # rows per peer
@@ -103,6 +118,22 @@ def transfers(rows, hidden, rank, world_size, device, group):
         for j, view in enumerate(peer_views):
             landing[j * share:(j + 1) * share].copy_(view)
 
+    # the communication programs: the pull's rows, padded with -1 rows to whole M-tiles
+    num_m_tiles = triton.cdiv(rows, COMM_BLOCK_M)
+    comm_source = torch.full((num_m_tiles * COMM_BLOCK_M,), -1, dtype=torch.int32, device=device)
+    comm_source[:rows] = pull_source
+    comm_out = torch.empty(num_m_tiles * COMM_BLOCK_M, hidden, dtype=torch.bfloat16, device=device)
+    comm_flags = torch.zeros(num_m_tiles, dtype=torch.int32, device=device)
+
+    def comm(programs):
+        _comm_programs_kernel[(programs,)](buffer.table, comm_source, comm_out, comm_flags, num_m_tiles, rows, hidden,
+                                           BLOCK_M=COMM_BLOCK_M, BLOCK_C=grouped_gemm.PULL_BLOCK_C, PROGRAMS=programs,
+                                           ALIGNED=buffer.aligned, num_warps=8)
+
+    def check_comm(programs):
+        comm(programs)
+        return torch.equal(comm_out[:rows], pattern(owner, r, hidden)) and not comm_out[rows:].any()
+
     send = outgoing[:share].repeat(world_size, 1)
     recv = torch.empty_like(send)
     nccl = lambda: dist.all_to_all_single(recv, send, group=group)
@@ -113,6 +144,7 @@ def transfers(rows, hidden, rank, world_size, device, group):
         "ce_read": (ce_read, lambda: (ce_read(), torch.equal(landing, first_rows(peers)))[1]),
         "nccl_a2a": (nccl, lambda: (nccl(), torch.equal(recv, first_rows(range(world_size))))[1]),
         "local": (lambda: pull(rank * rows + r), lambda: torch.equal(pull(rank * rows + r), buffer.local)),
+        **{f"comm{g}": (lambda g=g: comm(g), lambda g=g: check_comm(g)) for g in comm_programs},
     }
 
 
@@ -129,6 +161,8 @@ def main():
                         help="remote rows per GPU, comma-separated (rounded down to a multiple of P - 1)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--comm-programs", default="4,8,16,32",
+                        help="G of the comm<G> rows, comma-separated (empty: none)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--one-gpu", action="store_true",
@@ -147,11 +181,13 @@ def main():
     group = dist.group.WORLD
     info = bench_layer.env_info(device)
     info["gpus"] = f"{world_size}x {info['gpu']}" + (" (one GPU, smoke test)" if args.one_gpu else "")
+    comm_programs = [int(g) for g in args.comm_programs.split(",") if g]
     impls = [i for i in args.impls.split(",") if not (args.one_gpu and i == "nccl_a2a")]
+    impls += [f"comm{g}" for g in comm_programs]
     host = torch.device("cpu") if args.one_gpu else device  # where the small reductions run
     records = []
     for wanted_rows in map(int, args.rows.split(",")):
-        rows, moves = transfers(wanted_rows, args.hidden, rank, world_size, device, group)
+        rows, moves = transfers(wanted_rows, args.hidden, rank, world_size, device, group, comm_programs)
         mbytes = rows * args.hidden * 2 / 1e6
         for impl in impls:
             fn, check = moves[impl]

@@ -266,7 +266,7 @@ def compile_only(selected=None) -> None:
         if switches["EPILOGUE"] == "store":  # at EP: the rows pushed into the owners' slots from the epilogue
             builds.append(("default, PUSH", gg.default_config(stage), True, 0))
         if stage == "gate_up_swiglu":  # at EP: the rows pulled by communication programs of the GEMM
-            builds.append(("default, PULL", gg.default_config(stage), False, gg.PULL_PROGRAMS))
+            builds.append(("default, PULL 8", gg.default_config(stage), False, 8))
         for label, cfg, push, pull in builds:
             signature = {name: "constexpr" for name in fn.arg_names}
             signature.update(pointers, **{name: "i32" for name in ints}, swiglu_limit="fp32")

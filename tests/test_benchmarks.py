@@ -88,7 +88,8 @@ def test_ep_ceilings_one_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     out = tmp_path / "records.json"
     run_script("ep_ceilings.py", "--one-gpu", "--rows", "300", "--hidden", "136", "--warmup", "1", "--iters", "2",
-               "--out", str(out), launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+               "--comm-programs", "3", "--out", str(out),
+               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
     records = json.load(open(out))
-    assert {r["impl"] for r in records} == {"pull", "push", "ce_read", "local"}
+    assert {r["impl"] for r in records} == {"pull", "push", "ce_read", "local", "comm3"}
     assert all(r["checked"] and r["ms"] > 0 for r in records)
