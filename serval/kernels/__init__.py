@@ -22,9 +22,9 @@ __all__ = [
     "gate_up_swiglu",
     "gate_up_weight_grad",
     "gather",
-    "sum_slots",
     "pulls_in_gemm",
     "pushes_from_epilogue",
+    "sum_slots",
     "supports",
 ]
 
