@@ -294,7 +294,10 @@ MAX_SPINS = tl.constexpr(1 << 23)
 
 @triton.jit
 def _wait_for_rows(flag_ptr, epoch, m_tile):
-    """Wait (bounded) until a communication program has published M-tile m_tile of this call."""
+    """Wait (bounded) until a communication program has published M-tile m_tile of this call.
+
+    The int32 atomic_add of 0 is an acquire load of the flag (Triton compiles it to ld.acquire.gpu), not an
+    accumulation: no floating-point value is ever summed atomically."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
     while (seen < epoch) & (spins < MAX_SPINS):
