@@ -10,7 +10,7 @@ what serval's dispatch (pull) and combine (push) could reach at best, beside wha
   local     the pull kernel reading this GPU's own buffer: the HBM copy rate of the same kernel
   comm<G>   the gate/up GEMM's communication programs alone (grouped_gemm._pull_tiles, PULL_PROGRAMS = G):
             G persistent programs pulling the same rows 128 at a time, as they do inside the GEMM; how many
-            SMs a dispatch under the GEMM needs (--comm-programs)
+            SMs a dispatch under the GEMM needs (--comm-programs; --comm-block-c columns a step)
 
 R = --rows remote rows per GPU (the MoE message: N * k * (P - 1) / P rows of H, e.g. 4096 tokens, k = 8 at
 EP=8 is ~28k rows), H = --hidden. GB/s = R * H * 2 bytes moved across GPUs (local: copied) per GPU and
@@ -74,7 +74,7 @@ def pattern(owner, row, hidden):
     return ((row[:, None] * hidden + col + owner[:, None] * 7) % 251).to(torch.bfloat16)
 
 
-def transfers(rows, hidden, rank, world_size, device, group, comm_programs=()):
+def transfers(rows, hidden, rank, world_size, device, group, comm_programs=(), comm_block_c=None):
     """(rows, {impl: (fn, check)}): fn() moves the rows once; check() moves them and says whether they are right.
     Remote row r of this rank belongs to peer (rank + 1 + r % (P - 1)) % P: the peers in turn."""
     share = rows // (world_size - 1)  # rows per peer
@@ -127,7 +127,8 @@ def transfers(rows, hidden, rank, world_size, device, group, comm_programs=()):
 
     def comm(programs):
         _comm_programs_kernel[(programs,)](buffer.table, comm_source, comm_out, comm_flags, num_m_tiles, rows, hidden,
-                                           BLOCK_M=COMM_BLOCK_M, BLOCK_C=grouped_gemm.PULL_BLOCK_C, PROGRAMS=programs,
+                                           BLOCK_M=COMM_BLOCK_M, BLOCK_C=comm_block_c or grouped_gemm.PULL_BLOCK_C,
+                                           PROGRAMS=programs,
                                            ALIGNED=buffer.aligned, num_warps=8)
 
     def check_comm(programs):
@@ -163,6 +164,8 @@ def main():
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--comm-programs", default="4,8,16,32",
                         help="G of the comm<G> rows, comma-separated (empty: none)")
+    parser.add_argument("--comm-block-c", type=int, default=grouped_gemm.PULL_BLOCK_C,
+                        help="columns a communication program moves per step (grouped_gemm.PULL_BLOCK_C)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--one-gpu", action="store_true",
@@ -187,7 +190,8 @@ def main():
     host = torch.device("cpu") if args.one_gpu else device  # where the small reductions run
     records = []
     for wanted_rows in map(int, args.rows.split(",")):
-        rows, moves = transfers(wanted_rows, args.hidden, rank, world_size, device, group, comm_programs)
+        rows, moves = transfers(wanted_rows, args.hidden, rank, world_size, device, group, comm_programs,
+                                args.comm_block_c)
         mbytes = rows * args.hidden * 2 / 1e6
         for impl in impls:
             fn, check = moves[impl]
@@ -205,6 +209,8 @@ def main():
                 ms = t.item()
                 rec = dict(impl=impl, mode=mode, ep=world_size, rows=rows, hidden=args.hidden, mbytes=mbytes,
                            ms=ms, gbps=mbytes / 1e3 / (ms * 1e-3), checked=ok, **info)
+                if impl.startswith("comm"):
+                    rec["block_c"] = args.comm_block_c
                 records.append(rec)
                 if rank == 0:
                     print(f"{impl:<9}{mode:<5}{rows:>7} rows {mbytes:8.1f} MB {ms:8.3f} ms {rec['gbps']:7.1f} GB/s"

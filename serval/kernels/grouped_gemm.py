@@ -615,7 +615,11 @@ FUSED_GATHER = False
 # At EP the gate/up GEMM can pull its rows itself with this many communication programs (0: the transport's pull
 # kernel runs before it). Off: on two H200s (kimi-k2, EP=2, forward) it took 10.3-10.9 ms with 8, 16 or 32 of
 # them, 256 or 512 columns a step, the proxy fence on either side, against 8.55-8.62 ms with the pull kernel
-# first (BENCHMARKS.md, eighth session). Kept, tested, as the start of the communication programs of the fused
+# first (BENCHMARKS.md, eighth session). Where that goes (ninth session, stamps): the pull keeps ahead (16
+# programs alone move 324 GB/s, the pull kernel 335; the compute tiles wait ~1.5% of the kernel), but the
+# GEMM on 116 SMs takes 4.8-5.1 ms against 4.35-4.57 on 132, its tiles run ~10% slower while the pull shares
+# HBM, and one rank ran at 1550 MHz against the other's 1790 (the barriers make both wait for it): 7.5 ms
+# against 5.5 for pull kernel + GEMM. Kept, tested, as the start of the communication programs of the fused
 # kernel.
 PULL_PROGRAMS = 0
 # columns a communication program copies per step (BLOCK_M rows at a time)

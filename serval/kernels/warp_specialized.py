@@ -340,6 +340,12 @@ def _descriptor(t: torch.Tensor, block: list):
     return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block)))
 
 
+# Tile order of the dgrad (common.tile_coords): GROUP_M M-tiles sweep the N-tiles together. H200, 2026-11-29,
+# sustained load, two sweeps of two interleaved rounds (BENCHMARKS.md, ninth session), ms for GROUP_M 8 -> 4:
+# qwen3-30b-a3b 0.936 / 0.935 -> 0.934 / 0.916, qwen3.5-397b 0.844 / 0.839 -> 0.835 / 0.838, kimi-k2
+# 1.761 / 1.750 -> 1.724 / 1.721 (16 and 64 slower; the Triton stages keep 8: 4 moves them by -0.7% to +3%).
+DGRAD_GROUP_M = 4
+
 # maxnreg 168 x 12 warps fills the register file; setmaxnreg then gives the consumers 232 each, the loader 40
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
@@ -403,6 +409,6 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     views = (gate_up[:, :inter], gate_up[:, inter:], d_gate_up[:, :inter], d_gate_up[:, inter:], h_weighted)
     _launch(a=d_y_rows, w2d=w_down.view(num_experts * hidden, inter), w_nk=False, schedule=schedule, n_out=inter,
             k=hidden, epilogue="swiglu_bwd", block_n=block_n, block_k=block_k, stages=stages, out_views=views,
-            epi_split=epi_split, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
+            epi_split=epi_split, group_m=DGRAD_GROUP_M, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
             router_weights=router_weights, d_rw_partial=d_rw_partial)
     return d_gate_up, h_weighted, d_rw_partial
