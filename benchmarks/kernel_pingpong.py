@@ -2,6 +2,7 @@
 serval's one-role Triton kernel (serval.kernels.grouped_gemm), stage by stage, on the H200.
 
     python benchmarks/kernel_pingpong.py [--soak 1] [--shapes qwen3-30b-a3b kimi-k2]   # sm_90, Triton 3.6
+    python benchmarks/kernel_pingpong.py --compile-only   # any machine with Triton 3.6: smem, registers, spills
 
 Checks first, on small cases that put several tiles on each program and consumer (three experts, a ring
 shorter than the K loop, a tile of padding rows) and then on each SPEC shape: the ping-pong `down` and the
@@ -67,11 +68,68 @@ def check_small():
     return ok
 
 
+def compile_only():
+    """Compile the kernel's two epilogues for sm_90a without a GPU (Triton 3.6 installed) and print shared memory,
+    registers and spill bytes (ptxas -v): a Gluon change can be checked before it takes device time."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from serval.schedule import build_schedule
+
+    E, H, I, N, k = 4, 512, 256, 256, 2  # small CPU tensors: only their dtypes, alignments and boxes matter
+    topk = torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1)
+    schedule = build_schedule(topk, E, 128)
+    rows = lambda cols: torch.zeros(schedule.capacity, cols, dtype=torch.bfloat16)
+    w = torch.zeros(E, H, I, dtype=torch.bfloat16)
+    launches = []  # (args, kwargs) of each launch, recorded instead of run
+    kernel, ws._pingpong_kernel = ws._pingpong_kernel, type("Recorder", (), {
+        "__getitem__": lambda self, grid: lambda *args, **kwargs: launches.append((args, kwargs))})()
+    try:
+        ws.down(rows(I), w, schedule)
+        ws.down_dgrad_swiglu_partials(rows(H), w, torch.zeros(schedule.num_packed, 2 * I, dtype=torch.bfloat16),
+                                      torch.zeros(N * k), schedule, None)
+    finally:
+        ws._pingpong_kernel = kernel
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    print(f"triton {triton.__version__}, sm_90a: shared memory (of 232448 B), registers, spill bytes")
+    for args, kwargs in launches:
+        kwargs = dict(kwargs)
+        options = dict(num_warps=kwargs.pop("num_warps"), maxnreg=kwargs.pop("maxnreg"))
+        signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
+        signature.update({name: "constexpr" for name in kwargs})
+        constexprs = {(kernel.arg_names.index(name),): value for name, value in kwargs.items()}
+        compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                  options=options)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
+                                    text=True).stderr
+        regs = re.findall(r"Used (\d+) registers", report)
+        spills = re.findall(r"(\d+) bytes spill stores", report)
+        print(f"  {kwargs['EPILOGUE']:10s} STAGES {kwargs['STAGES']} GROUP_M {kwargs['GROUP_M']}: smem "
+              f"{compiled.metadata.shared:7d}  registers {regs[0] if regs else '?':>4s} (per thread before setmaxnreg)"
+              f"  spills {spills[0] if spills else '?':>5s}", flush=True)
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=["qwen3-30b-a3b", "kimi-k2"])
     parser.add_argument("--soak", type=float, default=1.0)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile for sm_90a and show shared memory, registers, spills (no GPU needed)")
     args = parser.parse_args()
+    if args.compile_only:
+        if ".".join(triton.__version__.split(".")[:2]) not in ws.GLUON_VERSIONS:
+            print(f"kernel_pingpong --compile-only: needs Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
+            return 0
+        return compile_only()
     if not ws.available():
         print(f"kernel_pingpong: needs an sm_90 GPU and Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
         return 0
