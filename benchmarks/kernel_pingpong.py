@@ -126,8 +126,10 @@ def main():
                         help="compile for sm_90a and show shared memory, registers, spills (no GPU needed)")
     args = parser.parse_args()
     if args.compile_only:
-        if ".".join(triton.__version__.split(".")[:2]) not in ws.GLUON_VERSIONS:
-            print(f"kernel_pingpong --compile-only: needs Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
+        gluon_release = ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS
+        if not gluon_release or os.environ.get("TRITON_INTERPRET") == "1":
+            print(f"kernel_pingpong --compile-only: needs Triton {'/'.join(ws.GLUON_VERSIONS)} and TRITON_INTERPRET "
+                  "unset; not run")
             return 0
         return compile_only()
     if not ws.available():

@@ -12,9 +12,9 @@ from conftest import CUDA
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def run_script(name, *args, launcher=()):
+def run_script(name, *args, launcher=(), env=None):
     result = subprocess.run([sys.executable, *launcher, os.path.join(BENCHMARKS, name), *args], capture_output=True,
-                            text=True, timeout=600)
+                            text=True, timeout=600, env={**os.environ, **env} if env else None)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -80,6 +80,12 @@ def test_kernel_pingpong():
     """On the CPU it declines; on an H200 it checks the ping-pong kernel against serval's Triton kernel."""
     out = run_script("kernel_pingpong.py", "--shapes", "qwen3-30b-a3b", "--soak", "0.1")
     assert "not run" in out or "all checks passed" in out
+
+
+def test_kernel_pingpong_compile_only():
+    """Without Triton 3.6 it declines; with it (any machine) it compiles both epilogues for sm_90a, no spills."""
+    out = run_script("kernel_pingpong.py", "--compile-only", env={"TRITON_INTERPRET": "0"})  # the real compiler
+    assert "not run" in out or (out.count("spills     0") == 2 and "swiglu_bwd" in out)
 
 
 @pytest.mark.skipif(not CUDA, reason="symmetric memory needs a CUDA GPU")
