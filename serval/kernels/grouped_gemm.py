@@ -121,8 +121,9 @@ class TileConfig:
 #   128x128 tile in one piece spilled 2 KB; in 4 column chunks (epi_split=4) it compiles to 255
 #   registers and no spill.
 # * flatten (overlap the epilogue with the next tile's loads) on the plain-store stages; off where
-#   the epilogue is large or the K loop is two loops (a guess until timed; with flatten=True the
-#   fused-gather forward lost its cp.async pipelining in the sm_90 compile).
+#   the epilogue is large or the K loop is two loops: on, gate_up_swiglu ran 31-40% slower and
+#   gate_up_dgrad even or up to 1% slower (H200, sustained load, BENCHMARKS.md ninth session); the
+#   fused-gather forward also lost its cp.async pipelining with it in the sm_90 compile.
 # benchmarks/kernel_stages.py times the alternatives on the H200; change an entry only with its numbers.
 CONFIGS = {
     "hopper": {
