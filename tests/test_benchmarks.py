@@ -88,6 +88,39 @@ def test_kernel_pingpong_compile_only():
     assert "not run" in out or (out.count("spills     0") == 2 and "swiglu_bwd" in out)
 
 
+def test_ncu_layer_parse():
+    """ncu's --csv rows (one per launch and metric) -> one row per kernel: sums, time-weighted means."""
+    sys.path.insert(0, BENCHMARKS)
+    import ncu_layer
+
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    rows = [(0, "gemm", "gpu__time_duration.sum", "nsecond", "1,000,000"),
+            (0, "gemm", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "%", "80"),
+            (0, "gemm", "dram__bytes_read.sum", "byte", "2,000,000,000"),
+            (1, "gemm", "gpu__time_duration.sum", "nsecond", "3,000,000"),
+            (1, "gemm", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "%", "40"),
+            (1, "gemm", "dram__bytes_read.sum", "byte", "1,000,000,000"),
+            (2, "gather", "gpu__time_duration.sum", "nsecond", "500,000")]
+    text = "==PROF== noise\n" + "\n".join([header] + ['"%d","%s","%s","%s","%s"' % r for r in rows])
+    kernels = ncu_layer.parse(text)
+    assert kernels["gemm"]["calls"] == 2 and kernels["gemm"]["ms"] == pytest.approx(4.0)
+    assert kernels["gemm"]["tensor_pct"] == pytest.approx(50.0)  # (80 * 1 + 40 * 3) / 4
+    assert kernels["gemm"]["dram_read_gb"] == pytest.approx(3.0)
+    assert kernels["gather"] == {"calls": 1, "ms": pytest.approx(0.5)}
+    launches = ncu_layer.parse(text, per_launch=True)
+    assert list(launches) == ["  0 gemm", "  1 gemm", "  2 gather"] and launches["  1 gemm"]["tensor_pct"] == 40.0
+
+
+def test_ncu_layer(tmp_path):
+    """Without a GPU or ncu it declines; with them it profiles the tiny shape's kernels."""
+    out = run_script("ncu_layer.py", "--shapes", "tiny-a", "--impls", "serval", "--out", str(tmp_path / "n.json"))
+    if "not run" in out:
+        return
+    assert os.path.exists(tmp_path / "n.json"), out
+    records = json.load(open(tmp_path / "n.json"))
+    assert records and all(r["ms"] > 0 for r in records), out
+
+
 @pytest.mark.skipif(not CUDA, reason="symmetric memory needs a CUDA GPU")
 def test_ep_ceilings_one_gpu(tmp_path, monkeypatch):
     """Two processes on one GPU (correctness of the transfers only; the figures mean nothing there)."""
