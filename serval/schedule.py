@@ -100,11 +100,13 @@ def build_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int = 128)
     num_sources = num_tokens * top_k
     capacity = capacity_rows(num_sources, num_experts, block_m)
 
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    # keys in the narrowest type that holds the expert ids: the radix sort makes one pass per key byte
+    key_dtype = torch.int16 if num_experts < torch.iinfo(torch.int16).max else torch.int32
     # stable: within an expert, sources stay in ascending (token, slot) order
-    sorted_ids, sorted_source = torch.sort(flat_ids, stable=True)
-    experts = torch.arange(num_experts + 1, device=device, dtype=torch.int64)
-    first_sorted = torch.searchsorted(sorted_ids, experts)  # [E + 1]
+    sorted_keys, sorted_source = torch.sort(topk_ids.reshape(-1).to(key_dtype), stable=True)
+    experts = torch.arange(num_experts + 1, device=device, dtype=key_dtype)
+    first_sorted = torch.searchsorted(sorted_keys, experts)  # [E + 1]
+    sorted_ids = sorted_keys.to(torch.int64)
     tokens_per_expert = first_sorted[1:] - first_sorted[:-1]
     padded = (tokens_per_expert + block_m - 1) // block_m * block_m
     expert_offsets = torch.zeros(num_experts + 1, device=device, dtype=torch.int64)
