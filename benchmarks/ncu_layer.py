@@ -50,7 +50,8 @@ _SCALE = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "
 
 
 def find_ncu():
-    return shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    default = "/usr/local/cuda/bin/ncu"
+    return shutil.which("ncu") or (default if os.path.exists(default) else None)
 
 
 def child(shape_name, impl_name, scope, sonic_configs):
