@@ -1,0 +1,94 @@
+"""EXPERIMENT (branch coop-gather): check and time serval.kernels.cooperative's gate/up + SwiGLU (cooperative
+128 x 256 tiles, A by TMA over gathered rows or gathered by the loader with cp.async) against serval's forward
+(gather pass + Triton kernel), on the H200.
+
+    python benchmarks/kernel_coop.py [--shapes qwen3-30b-a3b,qwen3.5-397b,kimi-k2] [--soak 1]
+
+Checks first (small cases: three experts, a padding-only tile, partial N tiles, swiglu_limit; then each shape):
+gate_up and h (used rows) must equal the Triton kernel's bit for bit. Then times each variant, two interleaved
+rounds under sustained load (bench_layer's protocol), and prints a table last.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serval.kernels import grouped_gemm as gg  # noqa: E402
+from serval.kernels import warp_specialized as ws  # noqa: E402
+from serval.kernels.rows import gather as gather_rows  # noqa: E402
+from serval.schedule import build_schedule  # noqa: E402
+
+
+def same_as_triton(x, w_gate, w_up, schedule, limit, **kw):
+    from serval.kernels import cooperative
+
+    used = schedule.row_source >= 0
+    x_rows = gather_rows(x, schedule)
+    got = cooperative.gate_up_swiglu(x if kw.get("gather") else x_rows, w_gate, w_up, schedule, limit, **kw)
+    ref = gg.gate_up_swiglu(x, w_gate, w_up, schedule, limit, a_rows=x_rows)
+    torch.cuda.synchronize()
+    return torch.equal(got[0], ref[0]) and torch.equal(got[1][used], ref[1][used])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,qwen3.5-397b,kimi-k2")
+    parser.add_argument("--soak", type=float, default=1.0)
+    args = parser.parse_args()
+    if not ws.available():
+        print(f"kernel_coop: needs an sm_90 GPU and Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
+        return 0
+    from kernel_stages import SHAPES, make_inputs, timer
+    from serval.kernels import cooperative
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    ok = True
+    torch.manual_seed(0)
+    E, H, I, N = 3, 256, 320, 200  # I = 320: a partial N tile
+    topk = torch.stack([torch.arange(N, device="cuda") % E, (torch.arange(N, device="cuda") + 1) % E], 1)
+    schedule = build_schedule(topk, E, 128)
+    x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+    w_gate, w_up = ((torch.randn(E, I, H, device="cuda") * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    for kw in (dict(gather=False), dict(gather=True), dict(gather=True, stages=3), dict(gather=False, stages=2)):
+        for limit in (None, 0.5):
+            same = all(same_as_triton(x, w_gate, w_up, schedule, limit, **kw) for _ in range(3))
+            print(f"small {kw} swiglu_limit={limit}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
+            ok &= same
+    run_timed = timer(False, args.soak)
+    table = []
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        data = make_inputs(shape, torch.device("cuda"), 128)
+        sch = data["schedule"]
+        fwd = (data["x"], data["w_gate"], data["w_up"], sch, None)
+        for gather in (False, True):
+            same = same_as_triton(*fwd, gather=gather)
+            print(f"{name} gather={gather}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
+            ok &= same
+        variants = {
+            "pass + triton (serval)": lambda: gg.gate_up_swiglu(*fwd),
+            "pass + coop": lambda: cooperative.gate_up_swiglu(gather_rows(data["x"], sch), *fwd[1:], gather=False),
+            "coop, loader gathers": lambda: cooperative.gate_up_swiglu(*fwd, gather=True),
+            "coop, loader gathers, 3 stages": lambda: cooperative.gate_up_swiglu(*fwd, gather=True, stages=3),
+        }
+        times = {label: [] for label in variants}
+        for _ in range(2):
+            for label, fn in variants.items():
+                times[label].append(run_timed(fn))
+        flops = 4 * shape["tokens"] * shape["top_k"] * shape["hidden"] * shape["inter"]
+        for label, t in times.items():
+            table.append(f"{name:14s} {label:32s} " + " ".join(f"{ms:7.3f}" for ms in t)
+                         + f"  {flops / min(t) / 1e9:6.1f} TFLOP/s")
+            print(table[-1], flush=True)
+    print("\n".join(["", "shape          variant                          ms (2 rounds)   best"] + table))
+    print("all checks passed" if ok else "CHECK FAILED: MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

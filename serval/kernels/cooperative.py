@@ -1,0 +1,183 @@
+"""EXPERIMENT (branch coop-gather, not on main; compiled for sm_90a, never run yet): a cooperative 128 x 256
+gate/up + SwiGLU GEMM in Gluon whose loader can gather x's rows itself (cp.async), the tile shape SonicMoE's Hopper
+GEMMs gather in (BENCHMARKS.md, tenth session: its gate/up GEMM gathers x and keeps the tensor pipe 95% busy on
+kimi-k2, 86% on qwen3-30b-a3b, where serval's gather pass + Triton kernel reach 90% / 73% plus the pass).
+
+Roles: a loader (one warp with TMA for A, or four warps gathering A with cp.async, each thread's copies arriving
+on the stage's `ready` barrier by themselves) feeds a STAGES-deep ring of [128, 64] A and [256, 64] B slots (B:
+the w_gate tile over the w_up tile, so [gate | up] is one N = 256 accumulator and the SwiGLU pairs sit in the same
+thread). Two consumer warp groups work on every tile together, rows 0-63 and 64-127 (cooperative: both read every
+stage; `empty` counts both). Against the ping-pong kernel's 128 x 128 tiles, a stage carries half the A bytes per
+flop, so the gathering loader has half the copies to issue per MMA cycle. The epilogue is not overlapped (as in
+SonicMoE's cooperative kernels): each consumer rounds its [64, 128] gate and up to bf16, computes h and stores the
+three in [64, EPI_N] column chunks with 16-byte pointer stores (gate and up into their packed rows), which leaves
+the shared memory to the ring (4 stages: 192 KB).
+
+Determinism and the results: as grouped_gemm's kernel (K in BLOCK_K steps, one program per output element); gate_up
+and h are meant to equal it bit for bit (checked by benchmarks/kernel_coop.py on the H200).
+"""
+
+from __future__ import annotations
+
+import triton
+
+from ..schedule import Schedule, packed_index
+from . import common, swiglu, warp_specialized as ws
+
+if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+
+    @gluon.jit
+    def _loader(a_desc, wg_desc, wu_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
+                num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, A_GATHER: gl.constexpr,
+                GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        TILE_N: gl.constexpr = wg_desc.block_type.shape[0]  # output columns per tile
+        VEC: gl.constexpr = 128 // a_desc.dtype.primitive_bitwidth  # 16-byte copies
+        gather_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BLOCK_K, BLOCK_K // VEC],
+                                                       [gl.num_warps(), 1], [1, 0])
+        w_bytes: gl.constexpr = 2 * wg_desc.block_type.nbytes
+        k_steps = gl.cdiv(K, BLOCK_K)
+        count = 0
+        for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+            m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
+            m0 = m_tile * BLOCK_M
+            n0 = n_tile * TILE_N
+            expert = gl.load(tile_expert_ptr + m0 // sched_block_m)
+            if A_GATHER:  # x rows (token = row_source // top_k), zeros on padding rows
+                source = gl.load(row_source_ptr + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout)))
+                row_ok = source >= 0
+                x_rows = x_ptr + gl.where(row_ok, source // top_k, 0).to(gl.int64) * K
+                cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))
+            for kk in range(k_steps):
+                slot = count % STAGES
+                mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+                w_slot = w_bufs.index(slot)
+                if A_GATHER:
+                    mbarrier.expect(ready.index(slot), w_bytes)
+                else:
+                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_bytes)
+                    tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
+                w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
+                tma.async_copy_global_to_shared(wg_desc, w_coords, ready.index(slot), w_slot.slice(0, TILE_N))
+                tma.async_copy_global_to_shared(wu_desc, w_coords, ready.index(slot), w_slot.slice(TILE_N, TILE_N))
+                if A_GATHER:
+                    k_cols = kk * BLOCK_K + cols
+                    async_copy.async_copy_global_to_shared(a_bufs.index(slot), x_rows[:, None] + k_cols[None, :],
+                                                           mask=row_ok[:, None] & (k_cols < K)[None, :])
+                    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                count += 1
+
+    @gluon.jit
+    def _consumer(a_bufs, w_bufs, ready, empty, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, packed_ptr,
+                  gate_up_ptr, h_ptr, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                  NUM_PROGRAMS: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        BLOCK_N: gl.constexpr = w_bufs.shape[1]  # [gate | up]
+        HALF_M: gl.constexpr = BLOCK_M // 2  # this consumer's rows of the tile
+        TILE_N: gl.constexpr = BLOCK_N // 2
+        EPI_N: gl.constexpr = TILE_N // EPI_SPLIT
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, EPI_N, 16])
+        VEC: gl.constexpr = 8  # bf16, 16-byte stores
+        store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_N, EPI_N // VEC], [4, 1], [1, 0])
+        k_steps = gl.cdiv(K, BLOCK_K)
+        count = 0
+        for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+            m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
+            r0 = m_tile * BLOCK_M + CONSUMER * HALF_M
+            n0 = n_tile * TILE_N
+            acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            prev_slot = 0
+            for kk in range(k_steps):
+                slot = count % STAGES
+                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+                a = a_bufs.index(slot).slice(CONSUMER * HALF_M, HALF_M)
+                acc = warpgroup_mma(a, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's MMA has retired: free its slot
+                mbarrier.arrive(empty.index(prev_slot), pred=kk > 0)
+                prev_slot = slot
+                count += 1
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev_slot))
+
+            # gate_up is kept rounded; h is computed from the rounded values, as grouped_gemm's kernel does
+            rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
+            packed = gl.load(packed_ptr + rows)
+            gate_acc, up_acc = ws._halves(acc)
+            gate_chunks = ws._column_chunks(gate_acc, EPI_SPLIT)
+            up_chunks = ws._column_chunks(up_acc, EPI_SPLIT)
+            for c in gl.static_range(EPI_SPLIT):
+                gate = gl.convert_layout(gate_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
+                up = gl.convert_layout(up_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
+                h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT).to(gl.bfloat16)
+                cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, store_layout))
+                col_ok = (cols < N_OUT)[None, :]
+                packed_ptrs = gate_up_ptr + packed.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
+                packed_mask = (packed >= 0)[:, None] & col_ok
+                gl.store(packed_ptrs, gl.convert_layout(gate, store_layout), mask=packed_mask)
+                gl.store(packed_ptrs + N_OUT, gl.convert_layout(up, store_layout), mask=packed_mask)
+                gl.store(h_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :],
+                         gl.convert_layout(h, store_layout), mask=col_ok)
+
+    @gluon.jit
+    def _cooperative_kernel(a_desc, wg_desc, wu_desc, tile_expert_ptr, expert_offsets_ptr, num_experts,
+                            sched_block_m, N_OUT, K, x_ptr, row_source_ptr, top_k, packed_ptr, gate_up_ptr, h_ptr,
+                            swiglu_limit, A_GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr, EPI_SPLIT: gl.constexpr,
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        TILE_N: gl.constexpr = wg_desc.block_type.shape[0]
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * TILE_N, BLOCK_K], wg_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):  # ready: the TMA bytes' expect, and each gathering thread's arrival
+            mbarrier.init(ready.index(i), count=1 + (LOADER_WARPS * 32 if A_GATHER else 0))
+            mbarrier.init(empty.index(i), count=2)  # both consumers
+        fence_async_shared()
+        num_m_tiles = gl.load(expert_offsets_ptr + num_experts) // BLOCK_M  # used tiles only, no host sync
+        num_n_tiles = gl.cdiv(N_OUT, TILE_N)
+        num_tiles = num_m_tiles * num_n_tiles
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, ready, empty, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, packed_ptr,
+                         gate_up_ptr, h_ptr, swiglu_limit, 0, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, packed_ptr,
+                         gate_up_ptr, h_ptr, swiglu_limit, 1, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_loader, (a_desc, wg_desc, wu_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m,
+                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, A_GATHER,
+                       GROUP_M, STAGES, NUM_PROGRAMS)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather: bool, stages: int = 4,
+                   epi_split: int = 4, group_m: int = 8):
+    """grouped_gemm.gate_up_swiglu on the cooperative kernel: (gate_up packed [num_packed, 2I], h [R, I]).
+    x: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader (cp.async)."""
+    num_experts, inter, hidden = w_gate.shape
+    block_m, block_k, tile_n = 128, 64, 128
+    gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
+    h = common.empty((schedule.capacity, inter), x.dtype, x.device)
+    num_tiles = (schedule.capacity // block_m) * triton.cdiv(inter, tile_n)
+    num_programs = max(1, min(common.num_sms(x.device.index), num_tiles))
+    w_box = [tile_n, block_k]
+    _cooperative_kernel[(num_programs,)](
+        ws._descriptor(x, [block_m, block_k]), ws._descriptor(w_gate.view(num_experts * inter, hidden), w_box),
+        ws._descriptor(w_up.view(num_experts * inter, hidden), w_box), schedule.tile_expert, schedule.expert_offsets,
+        schedule.num_experts, schedule.block_m, inter, hidden, x, schedule.row_source, schedule.top_k,
+        packed_index(schedule), gate_up, h, float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        A_GATHER=gather, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=group_m, STAGES=stages,
+        NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_WARPS=4 if gather else 1, LOADER_REGS=40,
+        num_warps=4, maxnreg=168)
+    return gate_up, h
