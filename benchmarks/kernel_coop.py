@@ -3,6 +3,7 @@
 (gather pass + Triton kernel), on the H200.
 
     python benchmarks/kernel_coop.py [--shapes qwen3-30b-a3b,qwen3.5-397b,kimi-k2] [--soak 1]
+    python benchmarks/kernel_coop.py --compile-only    # any machine with Triton 3.6: smem, registers, spills
 
 Checks first (small cases: three experts, a padding-only tile, partial N tiles, swiglu_limit; then each shape):
 gate_up and h (used rows) must equal the Triton kernel's bit for bit. Then times each variant, two interleaved
@@ -35,11 +36,62 @@ def same_as_triton(x, w_gate, w_up, schedule, limit, **kw):
     return torch.equal(got[0], ref[0]) and torch.equal(got[1][used], ref[1][used])
 
 
+def compile_only():
+    """Compile both loader variants for sm_90a without a GPU (Triton 3.6) and print smem / registers / spills."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from serval.kernels import cooperative as co
+
+    E, H, I, N, k = 4, 512, 256, 256, 2
+    topk = torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1)
+    schedule = build_schedule(topk, E, 128)
+    w = torch.zeros(E, I, H, dtype=torch.bfloat16)
+    launches = []
+    kernel, co._cooperative_kernel = co._cooperative_kernel, type("Recorder", (), {
+        "__getitem__": lambda self, grid: lambda *a, **kw: launches.append((a, kw))})()
+    num_sms, co.common.num_sms = co.common.num_sms, lambda *a: 132
+    try:
+        co.gate_up_swiglu(torch.zeros(schedule.capacity, H, dtype=torch.bfloat16), w, w, schedule, None, gather=False)
+        co.gate_up_swiglu(torch.zeros(N, H, dtype=torch.bfloat16), w, w, schedule, None, gather=True)
+    finally:
+        co._cooperative_kernel, co.common.num_sms = kernel, num_sms
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    for args, kwargs in launches:
+        kwargs = dict(kwargs)
+        options = dict(num_warps=kwargs.pop("num_warps"), maxnreg=kwargs.pop("maxnreg"))
+        signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
+        signature.update({name: "constexpr" for name in kwargs})
+        constexprs = {(kernel.arg_names.index(name),): value for name, value in kwargs.items()}
+        # 16-byte alignment of pointers and of ints that are multiples of 16, as the launcher specialises
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)
+                 or (isinstance(arg, int) and not isinstance(arg, bool) and arg % 16 == 0)}
+        compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
+                                    text=True).stderr
+        found = re.findall(r"Used \d+ registers|\d+ bytes spill stores", report)
+        print(f"A_GATHER {kwargs['A_GATHER']!s:5s} STAGES {kwargs['STAGES']}: smem {compiled.metadata.shared}, {found}",
+              flush=True)
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-30b-a3b,qwen3.5-397b,kimi-k2")
     parser.add_argument("--soak", type=float, default=1.0)
+    parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
+    if args.compile_only:
+        return compile_only()
     if not ws.available():
         print(f"kernel_coop: needs an sm_90 GPU and Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
         return 0
