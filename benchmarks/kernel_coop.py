@@ -91,6 +91,9 @@ def main():
     parser.add_argument("--compile-only", action="store_true")
     args = parser.parse_args()
     if args.compile_only:
+        if ".".join(triton.__version__.split(".")[:2]) not in ws.GLUON_VERSIONS:
+            print(f"kernel_coop --compile-only: needs Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
+            return 0
         return compile_only()
     if not ws.available():
         print(f"kernel_coop: needs an sm_90 GPU and Triton {'/'.join(ws.GLUON_VERSIONS)}; not run")
