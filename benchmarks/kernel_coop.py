@@ -7,7 +7,11 @@
 
 Checks first (small cases: three experts, a padding-only tile, partial N tiles, swiglu_limit; then each shape):
 gate_up and h (used rows) must equal the Triton kernel's bit for bit. Then times each variant, two interleaved
-rounds under sustained load (bench_layer's protocol), and prints a table last.
+rounds under sustained load (bench_layer's protocol), and prints a table last. The layer A/B afterwards:
+
+    python benchmarks/layer_variants.py --shapes qwen3-30b-a3b,kimi-k2 --soak 1.5 \
+        --variant "coop rows: grouped_gemm.COOPERATIVE_GATE_UP=rows" \
+        --variant "coop gather: grouped_gemm.COOPERATIVE_GATE_UP=gather"
 """
 import argparse
 import os
@@ -114,6 +118,31 @@ def main():
             same = all(same_as_triton(x, w_gate, w_up, schedule, limit, **kw) for _ in range(3))
             print(f"small {kw} swiglu_limit={limit}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
             ok &= same
+    # the layer with the switch (grouped_gemm.COOPERATIVE_GATE_UP): y and every gradient bit for bit
+    import serval
+
+    xl = torch.randn(300, 512, device="cuda").to(torch.bfloat16).requires_grad_()
+    rw = torch.rand(300, 4, device="cuda").requires_grad_()
+    ids = torch.rand(300, 8, device="cuda").topk(4, dim=1).indices
+    ws_ = [((torch.randn(8, 384, 512, device="cuda") * 0.05).to(torch.bfloat16)).requires_grad_() for _ in range(2)]
+    wd = ((torch.randn(8, 512, 384, device="cuda") * 0.05).to(torch.bfloat16)).requires_grad_()
+    dy = torch.randn(300, 512, device="cuda").to(torch.bfloat16)
+    inputs = [xl, rw, *ws_, wd]
+
+    def layer():
+        y = serval.moe(xl, rw, ids, *ws_, wd)
+        return [y] + list(torch.autograd.grad(y, inputs, dy))
+
+    reference = layer()
+    for mode in ("rows", "gather"):
+        gg.COOPERATIVE_GATE_UP = mode
+        try:
+            same = all(torch.equal(a, b) for a, b in zip(layer(), reference))
+        finally:
+            gg.COOPERATIVE_GATE_UP = None
+        print(f"layer with COOPERATIVE_GATE_UP={mode!r}: y and gradients {'bitwise equal' if same else 'MISMATCH'}",
+              flush=True)
+        ok &= same
     run_timed = timer(False, args.soak)
     table = []
     for name in args.shapes.split(","):

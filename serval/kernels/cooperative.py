@@ -161,6 +161,12 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
+def takes(schedule: Schedule, x, w_gate, w_up) -> bool:
+    """Whether the kernel runs here and takes these operands: the ping-pong kernel's conditions (sm_90, Triton 3.6,
+    bf16, TMA-addressable rows, whole 128-row tiles)."""
+    return ws.takes(schedule, x, w_gate, w_up)
+
+
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather: bool, stages: int = 4,
                    epi_split: int = 4, group_m: int = 8):
     """grouped_gemm.gate_up_swiglu on the cooperative kernel: (gate_up packed [num_packed, 2I], h [R, I]).

@@ -87,7 +87,7 @@ import triton.language as tl
 
 from ..schedule import Schedule, packed_index
 from ..transport import PeerSlots, PeerTokens
-from . import common, swiglu
+from . import common, cooperative, swiglu
 from . import warp_specialized as warp_specialized_kernel
 from .rows import gather as gather_rows
 
@@ -612,6 +612,10 @@ def _pull_flags(device: torch.device, num_m_tiles: int):
 # seventh session).
 FUSED_GATHER = False
 
+# EXPERIMENT (branch coop-gather): gate/up + SwiGLU on serval.kernels.cooperative at EP=1: None (off), "rows"
+# (over the gathered rows, TMA) or "gather" (x's rows gathered by its loader; the layer then skips the gather pass).
+COOPERATIVE_GATE_UP = None
+
 
 # At EP the gate/up GEMM can pull its rows itself with this many communication programs (0: the transport's pull
 # kernel runs before it). Off: on two H200s (kimi-k2, EP=2, forward) it took 10.3-10.9 ms with 8, 16 or 32 of
@@ -646,6 +650,13 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
             raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns (x: [{hidden}] "
                              f"{x.dtype}), and no a_rows")
         a_rows = common.empty((num_rows, hidden), x.dtype, x.device)
+    elif COOPERATIVE_GATE_UP and config is None and use_tma is None and cooperative.takes(schedule, x, w_gate, w_up):
+        if COOPERATIVE_GATE_UP == "gather" and a_rows is None:
+            return cooperative.gate_up_swiglu(x.contiguous(), w_gate.contiguous(), w_up.contiguous(), schedule,
+                                              swiglu_limit, gather=True)
+        a_rows = gather_rows(x, schedule) if a_rows is None else a_rows
+        return cooperative.gate_up_swiglu(a_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(), schedule,
+                                          swiglu_limit, gather=False)
     elif a_rows is None and not fused:
         a_rows = gather_rows(x, schedule)
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
