@@ -1,17 +1,17 @@
-"""EXPERIMENT (branch coop-gather): check and time serval.kernels.cooperative's gate/up + SwiGLU (cooperative
-128 x 256 tiles, A by TMA over gathered rows or gathered by the loader with cp.async) against serval's forward
-(gather pass + Triton kernel), on the H200.
+"""serval.kernels.cooperative's gate/up + SwiGLU (cooperative 128 x 256 tiles, x's rows gathered by its loader, or A
+by TMA over gathered rows) against gather pass + grouped_gemm's Triton kernel, on the H200.
 
     python benchmarks/kernel_coop.py [--shapes qwen3-30b-a3b,qwen3.5-397b,kimi-k2] [--soak 1]
     python benchmarks/kernel_coop.py --compile-only    # any machine with Triton 3.6: smem, registers, spills
 
-Checks first (small cases: three experts, a padding-only tile, partial N tiles, swiglu_limit; then each shape):
-gate_up and h (used rows) must equal the Triton kernel's bit for bit. Then times each variant, two interleaved
-rounds under sustained load (bench_layer's protocol), and prints a table last. The layer A/B afterwards:
+Checks first (small cases: three experts, a padding-only tile, partial N tiles, swiglu_limit; the layer with and
+without the kernel; then each shape): gate_up and h (used rows) must equal the Triton kernel's bit for bit. Then
+times each variant, two interleaved rounds under sustained load (bench_layer's protocol), and prints a table last.
+The layer A/B that set grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN:
 
-    python benchmarks/layer_variants.py --shapes qwen3-30b-a3b,kimi-k2 --soak 1.5 \
-        --variant "coop rows: grouped_gemm.COOPERATIVE_GATE_UP=rows" \
-        --variant "coop gather: grouped_gemm.COOPERATIVE_GATE_UP=gather"
+    python benchmarks/layer_variants.py --shapes qwen3-30b-a3b,qwen3.5-397b,kimi-k2 --rounds 3 \
+        --variant "no coop: grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN=0" \
+        --variant "coop everywhere: grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN=100000"
 """
 import argparse
 import os
@@ -118,7 +118,7 @@ def main():
             same = all(same_as_triton(x, w_gate, w_up, schedule, limit, **kw) for _ in range(3))
             print(f"small {kw} swiglu_limit={limit}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
             ok &= same
-    # the layer with the switch (grouped_gemm.COOPERATIVE_GATE_UP): y and every gradient bit for bit
+    # the layer with the kernel and without (grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN): y and every gradient bit for bit
     import serval
 
     xl = torch.randn(300, 512, device="cuda").to(torch.bfloat16).requires_grad_()
@@ -133,16 +133,14 @@ def main():
         y = serval.moe(xl, rw, ids, *ws_, wd)
         return [y] + list(torch.autograd.grad(y, inputs, dy))
 
-    reference = layer()
-    for mode in ("rows", "gather"):
-        gg.COOPERATIVE_GATE_UP = mode
-        try:
-            same = all(torch.equal(a, b) for a, b in zip(layer(), reference))
-        finally:
-            gg.COOPERATIVE_GATE_UP = None
-        print(f"layer with COOPERATIVE_GATE_UP={mode!r}: y and gradients {'bitwise equal' if same else 'MISMATCH'}",
-              flush=True)
-        ok &= same
+    reference = layer()  # H = 512: the forward on the cooperative kernel
+    gg.COOPERATIVE_GATHER_MAX_HIDDEN, default = 0, gg.COOPERATIVE_GATHER_MAX_HIDDEN
+    try:
+        same = all(torch.equal(a, b) for a, b in zip(layer(), reference))
+    finally:
+        gg.COOPERATIVE_GATHER_MAX_HIDDEN = default
+    print(f"layer with and without the kernel: y and gradients {'bitwise equal' if same else 'MISMATCH'}", flush=True)
+    ok &= same
     run_timed = timer(False, args.soak)
     table = []
     for name in args.shapes.split(","):
@@ -157,8 +155,8 @@ def main():
         variants = {
             "pass + triton (serval)": lambda: gg.gate_up_swiglu(*fwd),
             "pass + coop": lambda: cooperative.gate_up_swiglu(gather_rows(data["x"], sch), *fwd[1:], gather=False),
-            "coop, loader gathers": lambda: cooperative.gate_up_swiglu(*fwd, gather=True),
-            "coop, loader gathers, 3 stages": lambda: cooperative.gate_up_swiglu(*fwd, gather=True, stages=3),
+            "coop, loader gathers, 4 stages": lambda: cooperative.gate_up_swiglu(*fwd, gather=True, stages=4),
+            "coop, loader gathers (3 stages)": lambda: cooperative.gate_up_swiglu(*fwd, gather=True),
         }
         times = {label: [] for label in variants}
         for _ in range(2):

@@ -253,10 +253,8 @@ def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_lim
     if transport is not None and ops.pulls_in_gemm():
         gate_up, h = transport.pull_into(
             lambda source: ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, pull_from=source), x)
-    elif transport is None and ops.gathers_in_gemm():
-        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit)
-    else:
-        x_rows = _rows_in(ops, x, schedule, transport)
+    else:  # at EP=1 the stage gathers x's rows itself (a gather pass, or its GEMM's loader)
+        x_rows = None if transport is None else transport.pull(x, schedule.row_source)
         gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, a_rows=x_rows)
     shared_gate_up = shared_h = None
     if shared is not None:

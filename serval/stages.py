@@ -31,11 +31,6 @@ def pushes_from_epilogue() -> bool:
     return False
 
 
-def gathers_in_gemm() -> bool:
-    """Whether gate_up_swiglu gathers x's rows itself: not with torch ops."""
-    return False
-
-
 def pulls_in_gemm() -> bool:
     """Whether gate_up_swiglu takes `pull_from` (reads its rows from the EP owners' buffers): not with
     torch ops; the layer pulls the rows before it."""

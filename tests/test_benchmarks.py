@@ -88,6 +88,18 @@ def test_kernel_pingpong_compile_only():
     assert "not run" in out or (out.count("spills     0") == 2 and "swiglu_bwd" in out)
 
 
+def test_kernel_coop():
+    """On the CPU it declines; on an H200 it checks the cooperative kernel against serval's Triton kernel."""
+    out = run_script("kernel_coop.py", "--shapes", "qwen3-30b-a3b", "--soak", "0.1")
+    assert "not run" in out or "all checks passed" in out
+
+
+def test_kernel_coop_compile_only():
+    """Without Triton 3.6 it declines; with it (any machine) it compiles both loaders for sm_90a, no spills."""
+    out = run_script("kernel_coop.py", "--compile-only", env={"TRITON_INTERPRET": "0"})  # the real compiler
+    assert "not run" in out or out.count("'0 bytes spill stores'") == 2
+
+
 def test_ncu_layer_parse():
     """ncu's --csv rows (one per launch and metric) -> one row per kernel: sums, time-weighted means."""
     sys.path.insert(0, BENCHMARKS)

@@ -22,7 +22,6 @@ __all__ = [
     "gate_up_swiglu",
     "gate_up_weight_grad",
     "gather",
-    "gathers_in_gemm",
     "pulls_in_gemm",
     "pushes_from_epilogue",
     "sum_slots",
@@ -34,12 +33,6 @@ def pushes_from_epilogue() -> bool:
     """Whether down / gate_up_dgrad write their rows into the EP owners' slots themselves (`push_to`):
     grouped_gemm.PUSH_FROM_EPILOGUE."""
     return grouped_gemm.PUSH_FROM_EPILOGUE
-
-
-def gathers_in_gemm() -> bool:
-    """EXPERIMENT (branch coop-gather): whether gate_up_swiglu gathers x's rows itself at EP=1 (the layer then
-    passes no rows): grouped_gemm.COOPERATIVE_GATE_UP == "gather"."""
-    return grouped_gemm.COOPERATIVE_GATE_UP == "gather"
 
 
 def pulls_in_gemm() -> bool:

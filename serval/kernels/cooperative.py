@@ -1,7 +1,6 @@
-"""EXPERIMENT (branch coop-gather, not on main; compiled for sm_90a, never run yet): a cooperative 128 x 256
-gate/up + SwiGLU GEMM in Gluon whose loader can gather x's rows itself (cp.async), the tile shape SonicMoE's Hopper
-GEMMs gather in (BENCHMARKS.md, tenth session: its gate/up GEMM gathers x and keeps the tensor pipe 95% busy on
-kimi-k2, 86% on qwen3-30b-a3b, where serval's gather pass + Triton kernel reach 90% / 73% plus the pass).
+"""Gate/up + SwiGLU on a cooperative 128 x 256 tile in Gluon whose loader gathers x's rows itself (cp.async), the
+tile shape SonicMoE's Hopper GEMMs gather in: the layer's forward at EP=1 on sm_90 up to
+grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN, where it saves the gather pass (BENCHMARKS.md, eleventh session).
 
 Roles: a loader (one warp with TMA for A, or four warps gathering A with cp.async, each thread's copies arriving
 on the stage's `ready` barrier by themselves) feeds a STAGES-deep ring of [128, 64] A and [256, 64] B slots (B:
@@ -11,10 +10,11 @@ stage; `empty` counts both). Against the ping-pong kernel's 128 x 128 tiles, a s
 flop, so the gathering loader has half the copies to issue per MMA cycle. The epilogue is not overlapped (as in
 SonicMoE's cooperative kernels): each consumer rounds its [64, 128] gate and up to bf16, computes h and stores the
 three in [64, EPI_N] column chunks with 16-byte pointer stores (gate and up into their packed rows), which leaves
-the shared memory to the ring (4 stages: 192 KB).
+the shared memory to the ring (4 stages: 192 KB; the gathering loader runs 3, which timed faster).
 
 Determinism and the results: as grouped_gemm's kernel (K in BLOCK_K steps, one program per output element); gate_up
-and h are meant to equal it bit for bit (checked by benchmarks/kernel_coop.py on the H200).
+and h equal it bit for bit (tests/test_kernels_coop.py, benchmarks/kernel_coop.py). A by TMA over gathered rows
+(A_GATHER off) is what the benchmark compares against, to tell the gather's cost from the tile's.
 """
 
 from __future__ import annotations
@@ -167,10 +167,19 @@ def takes(schedule: Schedule, x, w_gate, w_up) -> bool:
     return ws.takes(schedule, x, w_gate, w_up)
 
 
-def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather: bool, stages: int = 4,
-                   epi_split: int = 4, group_m: int = 8):
+# ring stages, epilogue column chunks, tile-group height; with the loader gathering, 3 stages timed faster than 4 on
+# the H200 (eleventh session). Read at call time, so benchmarks/layer_variants.py can set them.
+CONFIG = {"rows": dict(stages=4, epi_split=4, group_m=8), "gather": dict(stages=3, epi_split=4, group_m=8)}
+
+
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather: bool, stages: int | None = None,
+                   epi_split: int | None = None, group_m: int | None = None):
     """grouped_gemm.gate_up_swiglu on the cooperative kernel: (gate_up packed [num_packed, 2I], h [R, I]).
     x: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader (cp.async)."""
+    config = CONFIG["gather" if gather else "rows"]
+    stages = stages or config["stages"]
+    epi_split = epi_split or config["epi_split"]
+    group_m = group_m or config["group_m"]
     num_experts, inter, hidden = w_gate.shape
     block_m, block_k, tile_n = 128, 64, 128
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)

@@ -612,9 +612,12 @@ def _pull_flags(device: torch.device, num_m_tiles: int):
 # seventh session).
 FUSED_GATHER = False
 
-# EXPERIMENT (branch coop-gather): gate/up + SwiGLU on serval.kernels.cooperative at EP=1: None (off), "rows"
-# (over the gathered rows, TMA) or "gather" (x's rows gathered by its loader; the layer then skips the gather pass).
-COOPERATIVE_GATE_UP = None
+# Forward gate/up at EP=1 on sm_90 up to this hidden size: the cooperative kernel whose loader gathers x's rows
+# (serval.kernels.cooperative), no gather pass. H200, 2026-11-29, routed forward + backward, three interleaved
+# rounds at the power cap (BENCHMARKS.md, eleventh session): qwen3-30b-a3b (H 2048) 7.473 -> 7.394 ms,
+# qwen3.5-397b (4096) 7.035 -> 7.000, kimi-k2 (7168) 14.576 -> 14.702 (slower: there the gathering loader costs
+# more than the pass). 0: off.
+COOPERATIVE_GATHER_MAX_HIDDEN = 4096
 
 
 # At EP the gate/up GEMM can pull its rows itself with this many communication programs (0: the transport's pull
@@ -650,13 +653,9 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
             raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns (x: [{hidden}] "
                              f"{x.dtype}), and no a_rows")
         a_rows = common.empty((num_rows, hidden), x.dtype, x.device)
-    elif COOPERATIVE_GATE_UP and config is None and use_tma is None and cooperative.takes(schedule, x, w_gate, w_up):
-        if COOPERATIVE_GATE_UP == "gather" and a_rows is None:
-            return cooperative.gate_up_swiglu(x.contiguous(), w_gate.contiguous(), w_up.contiguous(), schedule,
-                                              swiglu_limit, gather=True)
-        a_rows = gather_rows(x, schedule) if a_rows is None else a_rows
-        return cooperative.gate_up_swiglu(a_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(), schedule,
-                                          swiglu_limit, gather=False)
+    elif (a_rows is None and not fused and config is None and use_tma is None
+          and hidden <= COOPERATIVE_GATHER_MAX_HIDDEN and cooperative.takes(schedule, x, w_gate, w_up)):
+        return cooperative.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, gather=True)
     elif a_rows is None and not fused:
         a_rows = gather_rows(x, schedule)
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)

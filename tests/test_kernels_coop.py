@@ -1,0 +1,85 @@
+"""serval.kernels.cooperative (Gluon cooperative gate/up + SwiGLU, x's rows gathered by its loader) against
+serval.kernels.grouped_gemm's Triton kernel, on the H200: gate_up and h bit for bit over the rows that hold a
+(token, slot), run to run (outputs NaN-poisoned, conftest), and the layer routed to it.
+
+Gluon has no CPU interpreter: these tests skip wherever the kernel is not available (no sm_90 GPU, another
+Triton release). The Triton kernel they compare with is itself checked against the torch stages and the fp64
+reference (test_kernels_gemm.py), on CPU and GPU.
+"""
+import pytest
+import torch
+
+from serval.kernels import cooperative, grouped_gemm, warp_specialized
+from serval.kernels.rows import gather
+from serval.schedule import build_schedule
+
+pytestmark = pytest.mark.skipif(not warp_specialized.available(),
+                                reason="needs an sm_90 GPU and a Triton release the Gluon kernel was written for")
+
+CASES = {  # several tiles per consumer and N-tiles; a partial last N-tile; empty experts; k = 1 on one expert; one token
+    "several tiles": dict(num_tokens=300, top_k=2, num_experts=3, hidden=256, inter=384),
+    "partial tiles": dict(num_tokens=97, top_k=4, num_experts=8, hidden=320, inter=200),
+    "one expert": dict(num_tokens=150, top_k=1, num_experts=4, hidden=128, inter=256, skew=True),
+    "one token": dict(num_tokens=1, top_k=2, num_experts=4, hidden=128, inter=128),
+}
+
+
+def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if skew:  # all tokens to expert 0 (k=1) or to experts 0..k-1; the rest get no tokens
+        topk = torch.arange(top_k, device="cuda").expand(num_tokens, top_k)
+    else:
+        topk = torch.rand(num_tokens, num_experts, generator=g, device="cuda").topk(top_k, dim=1).indices
+    randn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+    return (randn(num_tokens, hidden), randn(num_experts, inter, hidden, scale=hidden**-0.5),
+            randn(num_experts, inter, hidden, scale=hidden**-0.5), build_schedule(topk, num_experts, 128))
+
+
+@pytest.mark.parametrize("gather_in_loader", [True, False])
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("name", CASES)
+def test_gate_up_swiglu_bitwise(name, limit, gather_in_loader):
+    x, w_gate, w_up, schedule = case(**CASES[name])
+    used = schedule.row_source >= 0
+    x_rows = gather(x, schedule)
+    a = x if gather_in_loader else x_rows
+    got = cooperative.gate_up_swiglu(a, w_gate, w_up, schedule, limit, gather=gather_in_loader)
+    again = cooperative.gate_up_swiglu(a, w_gate, w_up, schedule, limit, gather=gather_in_loader)
+    ref = grouped_gemm.gate_up_swiglu(x, w_gate, w_up, schedule, limit, a_rows=x_rows)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[0], again[0])  # gate_up: packed, every row used
+    assert torch.equal(got[1][used], ref[1][used]) and torch.equal(got[1][used], again[1][used])
+
+
+def test_gate_up_swiglu_routes_by_hidden(monkeypatch):
+    """grouped_gemm.gate_up_swiglu takes the cooperative kernel when it gathers x itself and H is at most
+    COOPERATIVE_GATHER_MAX_HIDDEN; with rows given, or above it, the Triton kernel."""
+    x, w_gate, w_up, schedule = case(**CASES["several tiles"])
+    calls = []
+    kernel = cooperative.gate_up_swiglu
+    monkeypatch.setattr(cooperative, "gate_up_swiglu", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    grouped_gemm.gate_up_swiglu(x, w_gate, w_up, schedule, None)
+    assert calls == [1]
+    grouped_gemm.gate_up_swiglu(x, w_gate, w_up, schedule, None, a_rows=gather(x, schedule))
+    monkeypatch.setattr(grouped_gemm, "COOPERATIVE_GATHER_MAX_HIDDEN", x.shape[1] - 1)
+    grouped_gemm.gate_up_swiglu(x, w_gate, w_up, schedule, None)
+    assert calls == [1]
+
+
+def test_layer_routes_gate_up_to_it(monkeypatch):
+    """serval.moe runs its forward gate/up on this kernel at H <= COOPERATIVE_GATHER_MAX_HIDDEN: y and every
+    gradient as with the gather pass + Triton kernel, bit for bit; no host sync; a CUDA-graph replay equal to
+    the eager step."""
+    from conftest import check_sync_free_and_graph_replay, cuda_layer_step
+
+    step = cuda_layer_step()
+    monkeypatch.setattr(grouped_gemm, "COOPERATIVE_GATHER_MAX_HIDDEN", 0)
+    triton_only = step()
+    monkeypatch.undo()
+    calls = []
+    kernel = cooperative.gate_up_swiglu
+    monkeypatch.setattr(cooperative, "gate_up_swiglu", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    eager = step()
+    assert calls, "the layer did not run its gate/up on the cooperative kernel"
+    for i, (a, b) in enumerate(zip(eager, triton_only)):
+        assert torch.equal(a, b), i
+    check_sync_free_and_graph_replay(step, eager)
