@@ -3,7 +3,8 @@
 grouped_gemm: the four expert GEMMs (one persistent grouped-GEMM kernel with constexpr
 epilogues); weight_grad: the grouped weight gradients over the token axis; rows: gather /
 combine / sum_slots; warp_specialized: a Gluon ping-pong variant of the grouped GEMM (sm_90, Triton
-3.6; runs the down dgrad); swiglu: the SwiGLU math of their epilogues; common: what they share.
+3.6; runs the down dgrad); cooperative: a Gluon cooperative gate/up + SwiGLU whose loader gathers x's rows
+(runs the forward up to H = 4096); swiglu: the SwiGLU math of their epilogues; common: what they share.
 """
 
 from . import grouped_gemm

@@ -641,7 +641,8 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
     """Gather + grouped GEMM gate/up + SwiGLU: (gate_up packed [num_packed, 2I], h [R, I]), as stages.
 
     fused_gather: gather x rows inside the GEMM (A_GATHER) instead of a gather kernel + TMA reads of the
-    gathered rows (default FUSED_GATHER). a_rows: the already gathered rows (= rows.gather(x, schedule)).
+    gathered rows (default FUSED_GATHER). a_rows: the already gathered rows (= rows.gather(x, schedule)); without
+    them, on sm_90 up to H = COOPERATIVE_GATHER_MAX_HIDDEN, the cooperative kernel's loader gathers them.
     pull_from: at EP, the owners' token buffers: PULL_PROGRAMS of the GEMM's programs pull the rows from them
     while the others compute (x is then not read; see PULL_PROGRAMS in the module docstring).
     """
