@@ -59,6 +59,23 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+# The Gluon kernels' cases (tests/test_kernels_ws.py, test_kernels_coop.py): several tiles per consumer and
+# N-tiles; a partial last N-tile (inter 200, hidden 320); empty experts; k = 1 on one expert; one token
+GLUON_CASES = {
+    "several tiles": dict(num_tokens=300, top_k=2, num_experts=3, hidden=256, inter=384),
+    "partial tiles": dict(num_tokens=97, top_k=4, num_experts=8, hidden=320, inter=200),
+    "one expert": dict(num_tokens=150, top_k=1, num_experts=4, hidden=128, inter=256, skew=True),
+    "one token": dict(num_tokens=1, top_k=2, num_experts=4, hidden=128, inter=128),
+}
+
+
+def cuda_topk(num_tokens, top_k, num_experts, skew, generator):
+    """[N, k] expert ids on the GPU: random distinct, or (skew) every token on experts 0..k-1, the rest empty."""
+    if skew:
+        return torch.arange(top_k, device="cuda").expand(num_tokens, top_k)
+    return torch.rand(num_tokens, num_experts, generator=generator, device="cuda").topk(top_k, dim=1).indices
+
+
 def cuda_layer_step():
     """A bf16 training step of serval.moe on the GPU (512 tokens, H 256, I 128, 8 experts, k 2, a shared
     expert): step() returns (y, every input's gradient)."""

@@ -8,6 +8,7 @@ reference (test_kernels_gemm.py), on CPU and GPU.
 """
 import pytest
 import torch
+from conftest import GLUON_CASES, cuda_topk
 
 from serval.kernels import cooperative, grouped_gemm, warp_specialized
 from serval.kernels.rows import gather
@@ -16,20 +17,10 @@ from serval.schedule import build_schedule
 pytestmark = pytest.mark.skipif(not warp_specialized.available(),
                                 reason="needs an sm_90 GPU and a Triton release the Gluon kernel was written for")
 
-CASES = {  # several tiles per consumer and N-tiles; a partial last N-tile; empty experts; k = 1 on one expert; one token
-    "several tiles": dict(num_tokens=300, top_k=2, num_experts=3, hidden=256, inter=384),
-    "partial tiles": dict(num_tokens=97, top_k=4, num_experts=8, hidden=320, inter=200),
-    "one expert": dict(num_tokens=150, top_k=1, num_experts=4, hidden=128, inter=256, skew=True),
-    "one token": dict(num_tokens=1, top_k=2, num_experts=4, hidden=128, inter=128),
-}
-
 
 def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    if skew:  # all tokens to expert 0 (k=1) or to experts 0..k-1; the rest get no tokens
-        topk = torch.arange(top_k, device="cuda").expand(num_tokens, top_k)
-    else:
-        topk = torch.rand(num_tokens, num_experts, generator=g, device="cuda").topk(top_k, dim=1).indices
+    topk = cuda_topk(num_tokens, top_k, num_experts, skew, g)
     randn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
     return (randn(num_tokens, hidden), randn(num_experts, inter, hidden, scale=hidden**-0.5),
             randn(num_experts, inter, hidden, scale=hidden**-0.5), build_schedule(topk, num_experts, 128))
@@ -37,9 +28,9 @@ def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
 
 @pytest.mark.parametrize("gather_in_loader", [True, False])
 @pytest.mark.parametrize("limit", [None, 0.75])
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", GLUON_CASES)
 def test_gate_up_swiglu_bitwise(name, limit, gather_in_loader):
-    x, w_gate, w_up, schedule = case(**CASES[name])
+    x, w_gate, w_up, schedule = case(**GLUON_CASES[name])
     used = schedule.row_source >= 0
     x_rows = gather(x, schedule)
     a = x if gather_in_loader else x_rows
@@ -53,7 +44,7 @@ def test_gate_up_swiglu_bitwise(name, limit, gather_in_loader):
 def test_gate_up_swiglu_routes_by_hidden(monkeypatch):
     """grouped_gemm.gate_up_swiglu takes the cooperative kernel when it gathers x itself and H is at most
     COOPERATIVE_GATHER_MAX_HIDDEN; with rows given, or above it, the Triton kernel."""
-    x, w_gate, w_up, schedule = case(**CASES["several tiles"])
+    x, w_gate, w_up, schedule = case(**GLUON_CASES["several tiles"])
     calls = []
     kernel = cooperative.gate_up_swiglu
     monkeypatch.setattr(cooperative, "gate_up_swiglu", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))

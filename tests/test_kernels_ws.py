@@ -8,6 +8,7 @@ stages and the fp64 reference (test_kernels_gemm.py), on CPU and GPU.
 """
 import pytest
 import torch
+from conftest import GLUON_CASES, cuda_topk
 
 from serval.kernels import grouped_gemm, warp_specialized
 from serval.schedule import build_schedule
@@ -18,10 +19,7 @@ pytestmark = pytest.mark.skipif(not warp_specialized.available(),
 
 def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    if skew:  # all tokens to expert 0 (k=1) or to experts 0..k-1; the rest get no tokens
-        topk = torch.arange(top_k, device="cuda").expand(num_tokens, top_k)
-    else:
-        topk = torch.rand(num_tokens, num_experts, generator=g, device="cuda").topk(top_k, dim=1).indices
+    topk = cuda_topk(num_tokens, top_k, num_experts, skew, g)
     schedule = build_schedule(topk, num_experts, 128)
     randn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
     return dict(schedule=schedule, h=randn(schedule.capacity, inter), d_y_rows=randn(schedule.capacity, hidden),
@@ -30,17 +28,9 @@ def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
                 router_weights=torch.rand(num_tokens * top_k, generator=g, device="cuda"))
 
 
-CASES = {  # several tiles per consumer; a partial last N-tile (inter 200, hidden 320); empty experts; one token
-    "several tiles": dict(num_tokens=300, top_k=2, num_experts=3, hidden=256, inter=384),
-    "partial tiles": dict(num_tokens=97, top_k=4, num_experts=8, hidden=320, inter=200),
-    "one expert": dict(num_tokens=150, top_k=1, num_experts=4, hidden=128, inter=256, skew=True),
-    "one token": dict(num_tokens=1, top_k=2, num_experts=4, hidden=128, inter=128),
-}
-
-
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", GLUON_CASES)
 def test_down_bitwise(name):
-    c = case(**CASES[name])
+    c = case(**GLUON_CASES[name])
     used = c["schedule"].row_source >= 0
     got = warp_specialized.down(c["h"], c["w_down"], c["schedule"])
     assert torch.equal(got[used], grouped_gemm.down(c["h"], c["w_down"], c["schedule"])[used])
@@ -48,9 +38,9 @@ def test_down_bitwise(name):
 
 
 @pytest.mark.parametrize("limit", [None, 0.75])
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", GLUON_CASES)
 def test_down_dgrad_swiglu_bitwise(name, limit):
-    c = case(**CASES[name])
+    c = case(**GLUON_CASES[name])
     used = c["schedule"].row_source >= 0
     args = (c["d_y_rows"], c["w_down"], c["gate_up"], c["router_weights"], c["schedule"], limit)
     got = grouped_gemm.down_dgrad_swiglu(*args, warp_specialized=True)
