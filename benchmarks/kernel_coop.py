@@ -118,7 +118,7 @@ def main():
             same = all(same_as_triton(x, w_gate, w_up, schedule, limit, **kw) for _ in range(3))
             print(f"small {kw} swiglu_limit={limit}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
             ok &= same
-    # the layer with the kernel and without (grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN): y and every gradient bit for bit
+    # the layer with the kernel and without (grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN): y and gradients bitwise
     import serval
 
     xl = torch.randn(300, 512, device="cuda").to(torch.bfloat16).requires_grad_()

@@ -13,9 +13,9 @@ three in [64, EPI_N] column chunks with 16-byte pointer stores (gate and up into
 the shared memory to the ring (4 stages: 192 KB; the gathering loader runs 3, which timed faster).
 
 Determinism and the results: as grouped_gemm's kernel (K in BLOCK_K steps, one program per output element); gate_up
-and h equal it bit for bit (tests/test_kernels_coop.py, benchmarks/kernel_coop.py). The mbarrier waits need no
-time bound, as in warp_specialized: every arrival they wait for is made unconditionally by the same program. A by TMA over gathered rows
-(A_GATHER off) is what the benchmark compares against, to tell the gather's cost from the tile's.
+and h equal it bit for bit (tests/test_kernels_coop.py, benchmarks/kernel_coop.py). The mbarrier waits need no time
+bound, as in warp_specialized: every arrival they wait for is made unconditionally by the same program. A by TMA
+over gathered rows (A_GATHER off) is what the benchmark compares against, to tell the gather's cost from the tile's.
 """
 
 from __future__ import annotations
