@@ -95,9 +95,10 @@ def test_kernel_coop():
 
 
 def test_kernel_coop_compile_only():
-    """Without Triton 3.6 it declines; with it (any machine) it compiles both loaders for sm_90a, no spills."""
+    """Without Triton 3.6 it declines; with it (any machine) it compiles both gate/up loaders, down and the gate/up
+    dgrad for sm_90a, no spills."""
     out = run_script("kernel_coop.py", "--compile-only", env={"TRITON_INTERPRET": "0"})  # the real compiler
-    assert "not run" in out or out.count("'0 bytes spill stores'") == 2
+    assert "not run" in out or out.count("'0 bytes spill stores'") == 4
 
 
 def test_ncu_layer_parse():

@@ -33,17 +33,20 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
                                                                    warpgroup_mma_wait)
 
     @gluon.jit
-    def _loader(a_desc, wg_desc, wu_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
-                num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, A_GATHER: gl.constexpr,
-                GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+    def _loader(a_desc, w0_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
+                num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, EPILOGUE: gl.constexpr,
+                W_NK: gl.constexpr, K_SPLIT: gl.constexpr, A_GATHER: gl.constexpr, GROUP_M: gl.constexpr,
+                STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
-        TILE_N: gl.constexpr = wg_desc.block_type.shape[0]  # output columns per tile
+        BLOCK_N: gl.constexpr = w_bufs.shape[1] if W_NK else w_bufs.shape[2]
+        TILE_N: gl.constexpr = BLOCK_N // 2 if EPILOGUE == "swiglu_fwd" else BLOCK_N  # output columns per tile
         VEC: gl.constexpr = 128 // a_desc.dtype.primitive_bitwidth  # 16-byte copies
         gather_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BLOCK_K, BLOCK_K // VEC],
                                                        [gl.num_warps(), 1], [1, 0])
-        w_bytes: gl.constexpr = 2 * wg_desc.block_type.nbytes
+        w_bytes: gl.constexpr = w0_desc.block_type.nbytes * (BLOCK_N // TILE_N)
         k_steps = gl.cdiv(K, BLOCK_K)
+        a_steps = 2 * k_steps if K_SPLIT else k_steps  # K_SPLIT: A's columns run over both weights' K
         count = 0
         for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
@@ -55,7 +58,7 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
                 row_ok = source >= 0
                 x_rows = x_ptr + gl.where(row_ok, source // top_k, 0).to(gl.int64) * K
                 cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))
-            for kk in range(k_steps):
+            for kk in range(a_steps):
                 slot = count % STAGES
                 mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
                 w_slot = w_bufs.index(slot)
@@ -64,9 +67,23 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
                 else:
                     mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_bytes)
                     tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
-                w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
-                tma.async_copy_global_to_shared(wg_desc, w_coords, ready.index(slot), w_slot.slice(0, TILE_N))
-                tma.async_copy_global_to_shared(wu_desc, w_coords, ready.index(slot), w_slot.slice(TILE_N, TILE_N))
+                if EPILOGUE == "swiglu_fwd":  # w_gate's tile over w_up's
+                    w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
+                    tma.async_copy_global_to_shared(w0_desc, w_coords, ready.index(slot), w_slot.slice(0, TILE_N))
+                    tma.async_copy_global_to_shared(w1_desc, w_coords, ready.index(slot), w_slot.slice(TILE_N, TILE_N))
+                elif W_NK:
+                    tma.async_copy_global_to_shared(w0_desc, [expert * N_OUT + n0, kk * BLOCK_K], ready.index(slot),
+                                                    w_slot)
+                elif K_SPLIT:
+                    if kk < k_steps:
+                        tma.async_copy_global_to_shared(w0_desc, [expert * K + kk * BLOCK_K, n0], ready.index(slot),
+                                                        w_slot)
+                    else:
+                        tma.async_copy_global_to_shared(w1_desc, [expert * K + (kk - k_steps) * BLOCK_K, n0],
+                                                        ready.index(slot), w_slot)
+                else:
+                    tma.async_copy_global_to_shared(w0_desc, [expert * K + kk * BLOCK_K, n0], ready.index(slot),
+                                                    w_slot)
                 if A_GATHER:
                     k_cols = kk * BLOCK_K + cols
                     async_copy.async_copy_global_to_shared(a_bufs.index(slot), x_rows[:, None] + k_cols[None, :],
@@ -76,14 +93,14 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
 
     @gluon.jit
     def _consumer(a_bufs, w_bufs, ready, empty, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, packed_ptr,
-                  gate_up_ptr, h_ptr, swiglu_limit, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                  EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  NUM_PROGRAMS: gl.constexpr):
+                  gate_up_ptr, out_ptr, swiglu_limit, CONSUMER: gl.constexpr, EPILOGUE: gl.constexpr,
+                  W_NK: gl.constexpr, K_SPLIT: gl.constexpr, HAS_LIMIT: gl.constexpr, EPI_SPLIT: gl.constexpr,
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
-        BLOCK_N: gl.constexpr = w_bufs.shape[1]  # [gate | up]
+        BLOCK_N: gl.constexpr = w_bufs.shape[1] if W_NK else w_bufs.shape[2]
+        TILE_N: gl.constexpr = BLOCK_N // 2 if EPILOGUE == "swiglu_fwd" else BLOCK_N
         HALF_M: gl.constexpr = BLOCK_M // 2  # this consumer's rows of the tile
-        TILE_N: gl.constexpr = BLOCK_N // 2
         EPI_N: gl.constexpr = TILE_N // EPI_SPLIT
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -92,6 +109,7 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
         VEC: gl.constexpr = 8  # bf16, 16-byte stores
         store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_N, EPI_N // VEC], [4, 1], [1, 0])
         k_steps = gl.cdiv(K, BLOCK_K)
+        a_steps = 2 * k_steps if K_SPLIT else k_steps
         count = 0
         for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
@@ -99,11 +117,15 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
             n0 = n_tile * TILE_N
             acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             prev_slot = 0
-            for kk in range(k_steps):
+            for kk in range(a_steps):
                 slot = count % STAGES
                 mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
                 a = a_bufs.index(slot).slice(CONSUMER * HALF_M, HALF_M)
-                acc = warpgroup_mma(a, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                if W_NK:
+                    b = w_bufs.index(slot).permute((1, 0))
+                else:
+                    b = w_bufs.index(slot)
+                acc = warpgroup_mma(a, b, acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's MMA has retired: free its slot
                 mbarrier.arrive(empty.index(prev_slot), pred=kk > 0)
                 prev_slot = slot
@@ -111,37 +133,51 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(prev_slot))
 
-            # gate_up is kept rounded; h is computed from the rounded values, as grouped_gemm's kernel does
             rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
-            packed = gl.load(packed_ptr + rows)
-            gate_acc, up_acc = ws._halves(acc)
-            gate_chunks = ws._column_chunks(gate_acc, EPI_SPLIT)
-            up_chunks = ws._column_chunks(up_acc, EPI_SPLIT)
-            for c in gl.static_range(EPI_SPLIT):
-                gate = gl.convert_layout(gate_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
-                up = gl.convert_layout(up_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
-                h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT).to(gl.bfloat16)
-                cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, store_layout))
-                col_ok = (cols < N_OUT)[None, :]
-                packed_ptrs = gate_up_ptr + packed.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
-                packed_mask = (packed >= 0)[:, None] & col_ok
-                gl.store(packed_ptrs, gl.convert_layout(gate, store_layout), mask=packed_mask)
-                gl.store(packed_ptrs + N_OUT, gl.convert_layout(up, store_layout), mask=packed_mask)
-                gl.store(h_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :],
-                         gl.convert_layout(h, store_layout), mask=col_ok)
+            out_rows = out_ptr + rows.to(gl.int64)[:, None] * N_OUT
+            if EPILOGUE == "swiglu_fwd":
+                # gate_up is kept rounded; h is computed from the rounded values, as grouped_gemm's kernel does
+                packed = gl.load(packed_ptr + rows)
+                gate_acc, up_acc = ws._halves(acc)
+                gate_chunks = ws._column_chunks(gate_acc, EPI_SPLIT)
+                up_chunks = ws._column_chunks(up_acc, EPI_SPLIT)
+                for c in gl.static_range(EPI_SPLIT):
+                    gate = gl.convert_layout(gate_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
+                    up = gl.convert_layout(up_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
+                    h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT).to(gl.bfloat16)
+                    cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, store_layout))
+                    col_ok = (cols < N_OUT)[None, :]
+                    packed_ptrs = gate_up_ptr + packed.to(gl.int64)[:, None] * (2 * N_OUT) + cols[None, :]
+                    packed_mask = (packed >= 0)[:, None] & col_ok
+                    gl.store(packed_ptrs, gl.convert_layout(gate, store_layout), mask=packed_mask)
+                    gl.store(packed_ptrs + N_OUT, gl.convert_layout(up, store_layout), mask=packed_mask)
+                    gl.store(out_rows + cols[None, :], gl.convert_layout(h, store_layout), mask=col_ok)
+            else:
+                chunks = ws._column_chunks(acc, EPI_SPLIT)
+                for c in gl.static_range(EPI_SPLIT):
+                    value = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
+                    cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, store_layout))
+                    gl.store(out_rows + cols[None, :], gl.convert_layout(value, store_layout),
+                             mask=(cols < N_OUT)[None, :])
 
     @gluon.jit
-    def _cooperative_kernel(a_desc, wg_desc, wu_desc, tile_expert_ptr, expert_offsets_ptr, num_experts,
-                            sched_block_m, N_OUT, K, x_ptr, row_source_ptr, top_k, packed_ptr, gate_up_ptr, h_ptr,
-                            swiglu_limit, A_GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr, EPI_SPLIT: gl.constexpr,
+    def _cooperative_kernel(a_desc, w0_desc, w1_desc, tile_expert_ptr, expert_offsets_ptr, num_experts,
+                            sched_block_m, N_OUT, K, x_ptr, row_source_ptr, top_k, packed_ptr, gate_up_ptr, out_ptr,
+                            swiglu_limit, EPILOGUE: gl.constexpr, W_NK: gl.constexpr, K_SPLIT: gl.constexpr,
+                            A_GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr, EPI_SPLIT: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """See the module docstring; out_ptr is h ("swiglu_fwd") or C ("store"), [R, N_OUT] either way."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        TILE_N: gl.constexpr = wg_desc.block_type.shape[0]
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * TILE_N, BLOCK_K], wg_desc.layout)
+        if EPILOGUE == "swiglu_fwd":  # [gate | up]: two [TILE_N, BLOCK_K] boxes
+            w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * w0_desc.block_type.shape[0], BLOCK_K],
+                                               w0_desc.layout)
+        else:
+            w_bufs = gl.allocate_shared_memory(dtype, [STAGES, w0_desc.block_type.shape[0], w0_desc.block_type.shape[1]],
+                                               w0_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):  # ready: the TMA bytes' expect, and each gathering thread's arrival
@@ -149,51 +185,87 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
             mbarrier.init(empty.index(i), count=2)  # both consumers
         fence_async_shared()
         num_m_tiles = gl.load(expert_offsets_ptr + num_experts) // BLOCK_M  # used tiles only, no host sync
-        num_n_tiles = gl.cdiv(N_OUT, TILE_N)
+        BLOCK_N: gl.constexpr = w_bufs.shape[1] if W_NK else w_bufs.shape[2]
+        num_n_tiles = gl.cdiv(N_OUT, BLOCK_N // 2 if EPILOGUE == "swiglu_fwd" else BLOCK_N)
         num_tiles = num_m_tiles * num_n_tiles
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, packed_ptr,
-                         gate_up_ptr, h_ptr, swiglu_limit, 0, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+                         gate_up_ptr, out_ptr, swiglu_limit, 0, EPILOGUE, W_NK, K_SPLIT, HAS_LIMIT, EPI_SPLIT,
+                         GROUP_M, STAGES, NUM_PROGRAMS)),
             (_consumer, (a_bufs, w_bufs, ready, empty, num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, packed_ptr,
-                         gate_up_ptr, h_ptr, swiglu_limit, 1, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
-            (_loader, (a_desc, wg_desc, wu_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m,
-                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, A_GATHER,
-                       GROUP_M, STAGES, NUM_PROGRAMS)),
+                         gate_up_ptr, out_ptr, swiglu_limit, 1, EPILOGUE, W_NK, K_SPLIT, HAS_LIMIT, EPI_SPLIT,
+                         GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_loader, (a_desc, w0_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m,
+                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, EPILOGUE, W_NK,
+                       K_SPLIT, A_GATHER, GROUP_M, STAGES, NUM_PROGRAMS)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
-def takes(schedule: Schedule, x, w_gate, w_up) -> bool:
+def takes(schedule: Schedule, a, *weights, k: int | None = None) -> bool:
     """Whether the kernel runs here and takes these operands: the ping-pong kernel's conditions (sm_90, Triton 3.6,
-    bf16, TMA-addressable rows, whole 128-row tiles)."""
-    return ws.takes(schedule, x, w_gate, w_up)
+    bf16, TMA-addressable rows, whole 128-row tiles; with k, the weights' K rows a whole number of K-tiles)."""
+    return ws.takes(schedule, a, *weights, k=k)
 
 
-# ring stages, epilogue column chunks, tile-group height; with the loader gathering, 3 stages timed faster than 4 on
-# the H200 (eleventh session). Read at call time, so benchmarks/layer_variants.py can set them.
-CONFIG = {"rows": dict(stages=4, epi_split=4, group_m=8), "gather": dict(stages=3, epi_split=4, group_m=8)}
+# ring stages, epilogue column chunks, tile-group height, per use; with the loader gathering, 3 stages timed faster
+# than 4 on the H200 (eleventh session). Read at call time, so benchmarks/layer_variants.py can set them.
+CONFIG = {"rows": dict(stages=4, epi_split=4, group_m=8), "gather": dict(stages=3, epi_split=4, group_m=8),
+          "store": dict(stages=4, epi_split=4, group_m=8)}
+
+
+def _launch(a, w0, w1, *, schedule: Schedule, n_out: int, k: int, epilogue: str, w_nk: bool, k_split: bool,
+            gather: bool, out, config: dict, swiglu_limit=None, gate_up=None):
+    """w0, w1: the weights as 2-D TMA views ([E * N, K] if w_nk, else [E * K, N]); a: rows [R, K] (K_SPLIT:
+    [R, 2K]) or, gathering, the tokens."""
+    block_m, block_k, block_n = 128, 64, 256
+    tile_n = block_n // 2 if epilogue == "swiglu_fwd" else block_n
+    w_box = [tile_n, block_k] if w_nk else [block_k, block_n]
+    num_tiles = (schedule.capacity // block_m) * triton.cdiv(n_out, tile_n)
+    num_programs = max(1, min(common.num_sms(a.device.index), num_tiles))
+    _cooperative_kernel[(num_programs,)](
+        ws._descriptor(a, [block_m, block_k]), ws._descriptor(w0, w_box), ws._descriptor(w1, w_box),
+        schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, n_out, k, a,
+        schedule.row_source, schedule.top_k, packed_index(schedule) if gate_up is not None else schedule.row_source,
+        gate_up if gate_up is not None else out, out, float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        EPILOGUE=epilogue, W_NK=w_nk, K_SPLIT=k_split, A_GATHER=gather, HAS_LIMIT=swiglu_limit is not None,
+        EPI_SPLIT=config["epi_split"], GROUP_M=config["group_m"], STAGES=config["stages"], NUM_PROGRAMS=num_programs,
+        CONSUMER_REGS=232, LOADER_WARPS=4 if gather else 1, LOADER_REGS=40, num_warps=4, maxnreg=168)
+
+
+def _config(use: str, **overrides) -> dict:
+    return {**CONFIG[use], **{name: value for name, value in overrides.items() if value}}
 
 
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather: bool, stages: int | None = None,
                    epi_split: int | None = None, group_m: int | None = None):
     """grouped_gemm.gate_up_swiglu on the cooperative kernel: (gate_up packed [num_packed, 2I], h [R, I]).
     x: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader (cp.async)."""
-    config = CONFIG["gather" if gather else "rows"]
-    stages = stages or config["stages"]
-    epi_split = epi_split or config["epi_split"]
-    group_m = group_m or config["group_m"]
     num_experts, inter, hidden = w_gate.shape
-    block_m, block_k, tile_n = 128, 64, 128
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
     h = common.empty((schedule.capacity, inter), x.dtype, x.device)
-    num_tiles = (schedule.capacity // block_m) * triton.cdiv(inter, tile_n)
-    num_programs = max(1, min(common.num_sms(x.device.index), num_tiles))
-    w_box = [tile_n, block_k]
-    _cooperative_kernel[(num_programs,)](
-        ws._descriptor(x, [block_m, block_k]), ws._descriptor(w_gate.view(num_experts * inter, hidden), w_box),
-        ws._descriptor(w_up.view(num_experts * inter, hidden), w_box), schedule.tile_expert, schedule.expert_offsets,
-        schedule.num_experts, schedule.block_m, inter, hidden, x, schedule.row_source, schedule.top_k,
-        packed_index(schedule), gate_up, h, float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        A_GATHER=gather, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=group_m, STAGES=stages,
-        NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_WARPS=4 if gather else 1, LOADER_REGS=40,
-        num_warps=4, maxnreg=168)
+    _launch(x, w_gate.view(num_experts * inter, hidden), w_up.view(num_experts * inter, hidden), schedule=schedule,
+            n_out=inter, k=hidden, epilogue="swiglu_fwd", w_nk=True, k_split=False, gather=gather, out=h,
+            config=_config("gather" if gather else "rows", stages=stages, epi_split=epi_split, group_m=group_m),
+            swiglu_limit=swiglu_limit, gate_up=gate_up)
     return gate_up, h
+
+
+def down(h, w_down, schedule: Schedule, **config):
+    """grouped_gemm.down on the cooperative kernel: o [R, H] = h @ w_down[e].T (config: CONFIG["store"]'s keys)."""
+    num_experts, hidden, inter = w_down.shape
+    out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
+    w2d = w_down.view(num_experts * hidden, inter)
+    _launch(h, w2d, w2d, schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=True, k_split=False,
+            gather=False, out=out, config=_config("store", **config))
+    return out
+
+
+def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, **config):
+    """grouped_gemm.gate_up_dgrad on the cooperative kernel: d_x_rows [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e],
+    one accumulation over K = 2I (config: CONFIG["store"]'s keys)."""
+    num_experts, inter, hidden = w_gate.shape
+    out = common.empty((schedule.capacity, hidden), d_gate_up.dtype, d_gate_up.device)
+    _launch(d_gate_up, w_gate.view(num_experts * inter, hidden), w_up.view(num_experts * inter, hidden),
+            schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=False, k_split=True, gather=False,
+            out=out, config=_config("store", **config))
+    return out

@@ -670,6 +670,11 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
     return gate_up, h
 
 
+# The plain-store GEMMs at EP=1 on the cooperative kernel (serval.kernels.cooperative: 128 x 256 tiles, a TMA
+# loader warp, two consumer warp groups) wherever it takes the operands; bitwise the same results. At EP, where
+# they push their rows from the epilogue (below), the Triton kernel runs them.
+COOPERATIVE_STORE = {"down": True, "gate_up_dgrad": True}
+
 # At EP the down GEMM (forward) and the gate/up dgrad (backward) store their rows into the owners' slots
 # themselves (PUSH) instead of handing them to the transport's push kernel. BENCHMARKS.md has the EP=2 A/B.
 PUSH_FROM_EPILOGUE = True
@@ -681,6 +686,9 @@ def down(h, w_down, schedule: Schedule, *, config: TileConfig | None = None, use
     row_source[r] instead (see PUSH) and nothing is returned."""
     _check(h, w_down)
     hidden, inter = w_down.shape[1:]
+    if (push_to is None and config is None and use_tma is None and COOPERATIVE_STORE["down"]
+            and cooperative.takes(schedule, h, w_down)):
+        return cooperative.down(h, w_down, schedule)
     out = _output(schedule, hidden, h, push_to)
     _launch(a=h.contiguous(), weights=(w_down.contiguous(),), out=out, h=None, schedule=schedule,
             n_out=hidden, k=inter, a_gather=False, w_nk=True, k_split=False, epilogue="store",
@@ -763,6 +771,9 @@ def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, config: TileCo
     pushed into the owners' slots instead (see down)."""
     _check(d_gate_up, w_gate, w_up)
     inter, hidden = w_gate.shape[1:]
+    if (push_to is None and config is None and use_tma is None and COOPERATIVE_STORE["gate_up_dgrad"]
+            and cooperative.takes(schedule, d_gate_up, w_gate, w_up, k=inter)):
+        return cooperative.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule)
     out = _output(schedule, hidden, d_gate_up, push_to)
     _launch(a=d_gate_up.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=out, h=None,
             schedule=schedule, n_out=hidden, k=inter, a_gather=False, w_nk=False, k_split=True,
