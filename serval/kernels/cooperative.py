@@ -1,21 +1,33 @@
-"""Gate/up + SwiGLU on a cooperative 128 x 256 tile in Gluon whose loader gathers x's rows itself (cp.async), the
-tile shape SonicMoE's Hopper GEMMs gather in: the layer's forward at EP=1 on sm_90 up to
-grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN, where it saves the gather pass (BENCHMARKS.md, eleventh session).
+"""Grouped GEMMs on cooperative 128 x 256 tiles in Gluon (Hopper, Triton 3.6), the tile shape SonicMoE's Hopper
+GEMMs run in. Two epilogues (EPILOGUE), selected per use by grouped_gemm at EP=1 on sm_90:
+
+* "swiglu_fwd": the forward gate/up + SwiGLU, whose loader gathers x's rows itself (cp.async), up to
+  grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN: no gather pass (BENCHMARKS.md, eleventh session). The weight tile is
+  w_gate's [128, 64] over w_up's, so [gate | up] is one N = 256 accumulator and the SwiGLU pairs sit in the same
+  thread. Each consumer rounds its [64, 128] gate and up to bf16, computes h and stores the three (gate and up
+  into their packed rows).
+* "store": a plain bf16 store of the [128, 256] tile: the down GEMM (W_NK: weights [E, N, K]) and the gate/up
+  dgrad (weights [E, K, N], K_SPLIT: A's first K columns against w_gate, the next K against w_up, one
+  accumulator). grouped_gemm.COOPERATIVE_STORE (BENCHMARKS.md, twelfth session).
 
 Roles: a loader (one warp with TMA for A, or four warps gathering A with cp.async, each thread's copies arriving
-on the stage's `ready` barrier by themselves) feeds a STAGES-deep ring of [128, 64] A and [256, 64] B slots (B:
-the w_gate tile over the w_up tile, so [gate | up] is one N = 256 accumulator and the SwiGLU pairs sit in the same
-thread). Two consumer warp groups work on every tile together, rows 0-63 and 64-127 (cooperative: both read every
-stage; `empty` counts both). Against the ping-pong kernel's 128 x 128 tiles, a stage carries half the A bytes per
-flop, so the gathering loader has half the copies to issue per MMA cycle. The epilogue is not overlapped (as in
-SonicMoE's cooperative kernels): each consumer rounds its [64, 128] gate and up to bf16, computes h and stores the
-three in [64, EPI_N] column chunks with 16-byte pointer stores (gate and up into their packed rows), which leaves
-the shared memory to the ring (4 stages: 192 KB; the gathering loader runs 3, which timed faster).
+on the stage's `ready` barrier by themselves) feeds a STAGES-deep ring of [128, 64] A and [256, 64] / [64, 256]
+weight slots. Two consumer warp groups work on every tile together, rows 0-63 and 64-127 (cooperative: both
+read every stage; `empty` counts both). Against the ping-pong kernel's 128 x 128 tiles, a stage carries half the
+A bytes per flop, so the gathering loader has half the copies to issue per MMA cycle. The epilogue is not
+overlapped (as in SonicMoE's cooperative kernels; a separate epilogue warp group, branch coop-epilogue-wg, was
+slower): the consumers store [64, EPI_N] column chunks with 16-byte pointer stores, which leaves the shared
+memory to the ring (4 stages: 192 KB; the gathering loader runs 3, which timed faster).
 
-Determinism and the results: as grouped_gemm's kernel (K in BLOCK_K steps, one program per output element); gate_up
-and h equal it bit for bit (tests/test_kernels_coop.py, benchmarks/kernel_coop.py). The mbarrier waits need no time
-bound, as in warp_specialized: every arrival they wait for is made unconditionally by the same program. A by TMA
-over gathered rows (A_GATHER off) is what the benchmark compares against, to tell the gather's cost from the tile's.
+The weights are read in place as 2-D TMA views, as in warp_specialized: [E * N, K] with the tile at row
+e * N + n0 (an N-tile past N reads the next expert's rows into columns the stores drop), or [E * K, N] with the
+K-tile at row e * K + k, so `takes` asks K % 64 == 0 there.
+
+Determinism and the results: as grouped_gemm's kernel (K in BLOCK_K steps, one program per output element); every
+output equals it bit for bit (tests/test_kernels_coop.py, benchmarks/kernel_coop.py). The mbarrier waits need no
+time bound, as in warp_specialized: every arrival they wait for is made unconditionally by the same program. A by
+TMA over gathered rows (A_GATHER off with "swiglu_fwd") is what the benchmark compares against, to tell the
+gather's cost from the tile's.
 """
 
 from __future__ import annotations

@@ -672,7 +672,11 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
 
 # The plain-store GEMMs at EP=1 on the cooperative kernel (serval.kernels.cooperative: 128 x 256 tiles, a TMA
 # loader warp, two consumer warp groups) wherever it takes the operands; bitwise the same results. At EP, where
-# they push their rows from the epilogue (below), the Triton kernel runs them.
+# they push their rows from the epilogue (below), the Triton kernel runs them. H200, 2026-11-29, routed forward +
+# backward, three interleaved rounds at the power cap, ms, Triton -> cooperative for both (BENCHMARKS.md, twelfth
+# session): qwen3-30b-a3b 7.350 -> 7.242, qwen3.5-397b 6.839 -> 6.725, kimi-k2 14.581 -> 14.443, glm-5 24.022 ->
+# 23.868, deepseek-v4-pro 15.614 -> 15.551. The gain is the gate/up dgrad's (alone: 1.374-1.443 -> 1.316-1.317 ms
+# on qwen3-30b-a3b); down runs as fast either way.
 COOPERATIVE_STORE = {"down": True, "gate_up_dgrad": True}
 
 # At EP the down GEMM (forward) and the gate/up dgrad (backward) store their rows into the owners' slots
