@@ -137,10 +137,9 @@ def main():
             same = all(same_as_triton(x, w_gate, w_up, schedule, limit, **kw) for _ in range(3))
             print(f"small {kw} swiglu_limit={limit}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
             ok &= same
-    for stage, stage_args in (("down", (torch.randn(schedule.capacity, I, device="cuda").to(torch.bfloat16),
-                                         w_gate.transpose(1, 2).contiguous(), schedule)),
-                              ("gate_up_dgrad", (torch.randn(schedule.capacity, 2 * I, device="cuda").to(torch.bfloat16),
-                                                 w_gate, w_up, schedule))):
+    rows = lambda cols: torch.randn(schedule.capacity, cols, device="cuda").to(torch.bfloat16)  # noqa: E731
+    for stage, stage_args in (("down", (rows(I), w_gate.transpose(1, 2).contiguous(), schedule)),
+                              ("gate_up_dgrad", (rows(2 * I), w_gate, w_up, schedule))):
         same = store_same_as_triton(stage, *stage_args)
         print(f"small {stage}: {'bitwise equal' if same else 'MISMATCH'}", flush=True)
         ok &= same

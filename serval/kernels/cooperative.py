@@ -188,8 +188,8 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
             w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * w0_desc.block_type.shape[0], BLOCK_K],
                                                w0_desc.layout)
         else:
-            w_bufs = gl.allocate_shared_memory(dtype, [STAGES, w0_desc.block_type.shape[0], w0_desc.block_type.shape[1]],
-                                               w0_desc.layout)
+            w_box: gl.constexpr = w0_desc.block_type.shape
+            w_bufs = gl.allocate_shared_memory(dtype, [STAGES, w_box[0], w_box[1]], w0_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):  # ready: the TMA bytes' expect, and each gathering thread's arrival
