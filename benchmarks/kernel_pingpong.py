@@ -1,14 +1,14 @@
-"""Check and time the warp-specialised ping-pong grouped GEMM (serval.kernels.warp_specialized) against
-serval's one-role Triton kernel (serval.kernels.grouped_gemm), stage by stage, on the H200.
+"""Check and time the warp-specialised ping-pong grouped GEMM (serval.kernels.warp_specialized: the down dgrad
+fused with the SwiGLU backward) against serval's one-role Triton kernel (serval.kernels.grouped_gemm), on the H200.
 
     python benchmarks/kernel_pingpong.py [--soak 1] [--shapes qwen3-30b-a3b kimi-k2]   # sm_90, Triton 3.6
     python benchmarks/kernel_pingpong.py --compile-only   # any machine with Triton 3.6: smem, registers, spills
 
 Checks first, on small cases that put several tiles on each program and consumer (three experts, a ring
-shorter than the K loop, a tile of padding rows) and then on each SPEC shape: the ping-pong `down` and the
-dgrad's d_gate_up / h_weighted must equal the Triton kernel's bit for bit (same fp32 accumulation order, same
-epilogue operations); the router-weight gradient within float rounding (its row sums run in another register
-layout). Then times both kernels of each stage (bench_layer's sustained-load protocol with --soak). Prints
+shorter than the K loop, a tile of padding rows) and then on each SPEC shape: the dgrad's d_gate_up /
+h_weighted must equal the Triton kernel's bit for bit (same fp32 accumulation order, same epilogue
+operations); the router-weight gradient within float rounding (its row sums run in another register
+layout). Then times both kernels (bench_layer's sustained-load protocol with --soak). Prints
 "not run" where the ping-pong kernel is not available (no sm_90 GPU, another Triton release).
 """
 import argparse
@@ -32,11 +32,16 @@ def dgrad_inputs(schedule, hidden, inter, num_tokens, top_k, seed=0):
             schedule)
 
 
-def compare_dgrad(args, limit):
-    """(bitwise d_gate_up and h_weighted, d_rw relative error) over the used rows."""
+def compare_dgrad(args, limit, **ring):
+    """(bitwise d_gate_up and h_weighted, d_rw relative error) over the used rows; ring: the ping-pong kernel's
+    stages."""
     schedule = args[-1]
     used = schedule.row_source >= 0
-    got = gg.down_dgrad_swiglu(*args, limit, warp_specialized=True)
+    if ring:
+        d_gate_up, h_weighted, partials = ws.down_dgrad_swiglu_partials(*args[:4], schedule, limit, **ring)
+        got = d_gate_up, h_weighted, gg._sum_partials(partials, schedule)
+    else:
+        got = gg.down_dgrad_swiglu(*args, limit, warp_specialized=True)
     ref = gg.down_dgrad_swiglu(*args, limit, warp_specialized=False)
     same = all(torch.equal(a[used], b[used]) for a, b in zip(got[:2], ref[:2]))
     d_rw_err = ((got[2][used] - ref[2][used]).norm() / ref[2][used].norm()).item()
@@ -50,26 +55,19 @@ def check_small():
     E, H, I, N, k = 3, 256, 384, 200, 2
     topk = torch.stack([torch.arange(N, device="cuda") % E, (torch.arange(N, device="cuda") + 1) % E], 1)
     schedule = build_schedule(topk, E, 128)
-    used = schedule.row_source >= 0
-    h = torch.randn(schedule.capacity, I, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(E, H, I, device="cuda") * I**-0.5).to(torch.bfloat16)
-    ref = gg.down(h, w, schedule)[used]
-    ok = True
-    for kw in (dict(stages=2), dict(stages=3), dict(stages=4)):
-        same = torch.equal(ws.down(h, w, schedule, **kw)[used], ref)
-        print(f"small down {kw}: {'bitwise equal' if same else 'MISMATCH'}")
-        ok &= same
     args = dgrad_inputs(schedule, H, I, N, k)
-    for limit in (None, 0.5):
-        same, err = compare_dgrad(args, limit)
-        print(f"small dgrad swiglu_limit={limit}: d_gate_up, h_weighted {'bitwise equal' if same else 'MISMATCH'}, "
-              f"d_rw rel err {err:.1e}")
-        ok &= same and err < 1e-5
+    ok = True
+    for ring in (dict(stages=2), dict(stages=3), {}):
+        for limit in (None, 0.5):
+            same, err = compare_dgrad(args, limit, **ring)
+            print(f"small dgrad {ring} swiglu_limit={limit}: d_gate_up, h_weighted "
+                  f"{'bitwise equal' if same else 'MISMATCH'}, d_rw rel err {err:.1e}")
+            ok &= same and err < 1e-5
     return ok
 
 
 def compile_only():
-    """Compile the kernel's two epilogues for sm_90a without a GPU (Triton 3.6 installed) and print shared memory,
+    """Compile the kernel for sm_90a without a GPU (Triton 3.6 installed) and print shared memory,
     registers and spill bytes (ptxas -v): a Gluon change can be checked before it takes device time."""
     import re
     import subprocess
@@ -90,7 +88,6 @@ def compile_only():
     kernel, ws._pingpong_kernel = ws._pingpong_kernel, type("Recorder", (), {
         "__getitem__": lambda self, grid: lambda *args, **kwargs: launches.append((args, kwargs))})()
     try:
-        ws.down(rows(I), w, schedule)
         ws.down_dgrad_swiglu_partials(rows(H), w, torch.zeros(schedule.num_packed, 2 * I, dtype=torch.bfloat16),
                                       torch.zeros(N * k), schedule, None)
     finally:
@@ -112,7 +109,7 @@ def compile_only():
                                     text=True).stderr
         regs = re.findall(r"Used (\d+) registers", report)
         spills = re.findall(r"(\d+) bytes spill stores", report)
-        print(f"  {kwargs['EPILOGUE']:10s} STAGES {kwargs['STAGES']} GROUP_M {kwargs['GROUP_M']}: smem "
+        print(f"  dgrad + SwiGLU backward STAGES {kwargs['STAGES']} GROUP_M {kwargs['GROUP_M']}: smem "
               f"{compiled.metadata.shared:7d}  registers {regs[0] if regs else '?':>4s} (per thread before setmaxnreg)"
               f"  spills {spills[0] if spills else '?':>5s}", flush=True)
     return 0
@@ -146,19 +143,12 @@ def main():
         shape = SHAPES[name]
         data = make_inputs(shape, torch.device("cuda"), 128)
         schedule = data["schedule"]
-        used = schedule.row_source >= 0
         flops = 2 * shape["tokens"] * shape["top_k"] * shape["hidden"] * shape["inter"]
-        h = torch.randn(schedule.capacity, shape["inter"], device="cuda").to(torch.bfloat16)
-        same = torch.equal(ws.down(h, data["w_down"], schedule)[used], gg.down(h, data["w_down"], schedule)[used])
-        print(f"{name} down: {'bitwise equal' if same else 'MISMATCH'}")
-        ok &= same
         dgrad_args = dgrad_inputs(schedule, shape["hidden"], shape["inter"], shape["tokens"], shape["top_k"])
         same, err = compare_dgrad(dgrad_args, None)
         print(f"{name} dgrad: d_gate_up, h_weighted {'bitwise equal' if same else 'MISMATCH'}, d_rw rel err {err:.1e}")
         ok &= same and err < 1e-5
         variants = {
-            ("down", "triton"): lambda: gg.down(h, data["w_down"], schedule),
-            ("down", "ping-pong"): lambda: ws.down(h, data["w_down"], schedule),
             ("dgrad+swiglu", "triton"): lambda: gg.down_dgrad_swiglu(*dgrad_args, None, warp_specialized=False),
             ("dgrad+swiglu", "ping-pong"): lambda: gg.down_dgrad_swiglu(*dgrad_args, None, warp_specialized=True),
         }

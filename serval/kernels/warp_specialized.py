@@ -1,4 +1,5 @@
-"""Warp-specialised ping-pong grouped GEMM in Gluon (Hopper, Triton 3.6): epilogues beside the MMAs.
+"""Warp-specialised ping-pong grouped GEMM in Gluon (Hopper, Triton 3.6) for the down dgrad fused with the
+SwiGLU backward: its large epilogue beside the MMAs.
 
 `grouped_gemm`'s Triton kernel runs each tile's epilogue between its own MMAs: while a tile's
 epilogue loads, computes and stores, that SM's tensor cores idle (Triton 3.6 has no working
@@ -12,15 +13,11 @@ grouped GEMM over the schedule's M-tiles, written in Gluon with three warp roles
   K loops in tile order (the `turn` barriers): mbarrier waits see only a phase's parity, so a
   consumer a whole tile ahead of the ring would pass a wait meant for a later phase.
 
-Layouts: A is a row-major [R, K] buffer read through TMA. The weights are read in place as one
-2-D TMA view: W_NK ([E, N, K], the forward weights) as [E * N, K], the tile at row e * N + n0; else
-([E, K, N], the data gradients) as [E * K, N], the tile at row e * K + k. A K-tile must not reach
-into the next expert's rows, so `takes` requires K % BLOCK_K == 0 for the [E, K, N] layout; in the
-[E, N, K] layout an N-tile past N reads the next expert's rows into output columns past N, which
-the stores drop.
+Layouts: A (d_y_rows) is a row-major [R, K] buffer read through TMA. The weight w_down [E, H, I] = [E, K, N]
+is read in place as one 2-D TMA view [E * K, N], the tile at row e * K + k. A K-tile must not reach
+into the next expert's rows, so `takes` requires K % BLOCK_K == 0 for that layout.
 
-EPILOGUE "store" (C = A @ W_e^T, the `down` GEMM): a TMA store per tile. "swiglu_bwd" (the down
-dgrad: d_h_raw = d_y_rows @ w_down[e]): the SwiGLU backward and the router-weight gradient's row
+The epilogue (d_h_raw = d_y_rows @ w_down[e]): the SwiGLU backward and the router-weight gradient's row
 partials (`swiglu.backward`, as in grouped_gemm's kernel), and no global access by the
 consumer warps but the row data and the partials. The program's epilogues take turns (`epi_turn`) on
 one set of tile buffers (gate, up, h: 96 KB, beside a 4-stage ring): TMA brings the tile's packed gate
@@ -32,8 +29,7 @@ h; TMA stores take the tile out. The row partials are summed over a row's N-tile
 `_sum_partials_kernel`, in another order than the Triton kernel's (its row sums run in another
 register layout): d_rw within float rounding of it, d_gate_up and h_weighted bit for bit.
 
-Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md): `down` runs as fast as the Triton kernel.
-The dgrad, ms, Triton -> ping-pong: qwen3-30b-a3b (H 2048) 1.09 -> 0.92, qwen3.5-397b (4096) 0.91 -> 0.83,
+Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md), the dgrad, ms, Triton -> ping-pong: qwen3-30b-a3b (H 2048) 1.09 -> 0.92, qwen3.5-397b (4096) 0.91 -> 0.83,
 kimi-k2 (7168) 1.99 -> 1.71 (sixth session); glm-5 (6144) 3.42 -> 2.89, deepseek-v4-pro (7168) 2.20 -> 1.86
 (fifth session). grouped_gemm routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the
 epilogue's math (tl.sigmoid) took ~50k cycles a tile on the 4 epilogue warps (clock64 stamps), longer
@@ -42,7 +38,8 @@ The forward gate/up + SwiGLU ran on this kernel too (commit ff09195: one [gate |
 128 x (64 + 64), the packed gate_up by TMA for full tiles and pointer stores for partial ones; 561b42c:
 x's rows gathered by the loader with cp.async): bit for bit the Triton kernel's, but 2-4% slower on the
 large-K shapes, no faster in the layer at H = 2048, and the loader's gather slower than the gather pass
-(BENCHMARKS.md, seventh session); removed. Earlier versions, measured and replaced: the accumulator
+(BENCHMARKS.md, seventh session); removed. So was its plain-store epilogue for `down` (as fast as the
+Triton kernel; `cooperative` runs down now). Earlier versions, measured and replaced: the accumulator
 staged as fp32 in shared memory and the gate/up loads and output stores through pointers (1.32 ms
 qwen3-30b-a3b: the global accesses were not hidden, and the staging left room for 3 stages only);
 per-chunk TMA boxes with a barrier per chunk (1.73-1.89 ms), both with tl.sigmoid.
@@ -97,8 +94,8 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
 
     @gluon.jit
     def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
-                num_m_tiles, num_n_tiles, N_OUT, K, W_NK: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
+                num_m_tiles, num_n_tiles, K, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         k_steps = gl.cdiv(K, BLOCK_K)
@@ -113,11 +110,8 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                 mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
-                if W_NK:
-                    w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
-                else:
-                    w_coords = [expert * K + kk * BLOCK_K, n0]
-                tma.async_copy_global_to_shared(w_desc, w_coords, ready.index(slot), w_bufs.index(slot))
+                tma.async_copy_global_to_shared(w_desc, [expert * K + kk * BLOCK_K, n0], ready.index(slot),
+                                                w_bufs.index(slot))
                 count += 1
 
     @gluon.jit
@@ -140,17 +134,17 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         return bufs.index(c * EPI_N // HALF_N).slice(c * EPI_N % HALF_N, EPI_N, dim=1)
 
     @gluon.jit
-    def _consumer(a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
+    def _consumer(a_bufs, w_bufs, ready, empty, turn, gate_desc, gate_bufs, up_desc, dg_desc, du_desc, hw_desc,
                   up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
                   packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                  CONSUMER: gl.constexpr, W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        # the swiglu_bwd epilogue works on [BLOCK_M, EPI_N] column chunks of the accumulator, in place
+        # the epilogue works on [BLOCK_M, EPI_N] column chunks of the accumulator, in place
         EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
         chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, EPI_N, 16])
@@ -162,24 +156,20 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             m0 = m_tile * BLOCK_M
             n0 = n_tile * BLOCK_N
             count = seq * k_steps
-            if EPILOGUE == "swiglu_bwd":  # the epilogue's row data, loaded before the K loop
-                rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
-                source = gl.load(row_source_ptr + rows)
-                rw = gl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
-                row_ok = gl.load(packed_ptr + rows) >= 0
-                if seq == 0:  # the program's first epilogue fetches its own gate/up (later ones: see below)
-                    _fetch_pre_activations(c_desc, up_desc, epi_bufs, up_bufs, epi_ready, packed_ptr, m0, n0)
+            # the epilogue's row data, loaded before the K loop
+            rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+            source = gl.load(row_source_ptr + rows)
+            rw = gl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
+            row_ok = gl.load(packed_ptr + rows) >= 0
+            if seq == 0:  # the program's first epilogue fetches its own gate/up (later ones: see below)
+                _fetch_pre_activations(gate_desc, up_desc, gate_bufs, up_bufs, epi_ready, packed_ptr, m0, n0)
             mbarrier.wait(turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             prev_slot = 0
             for kk in range(k_steps):
                 slot = count % STAGES
                 mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-                if W_NK:
-                    b = w_bufs.index(slot).permute((1, 0))
-                else:
-                    b = w_bufs.index(slot)
-                acc = warpgroup_mma(a_bufs.index(slot), b, acc, is_async=True)
+                acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot), acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's MMA has retired: free its slot
                 mbarrier.arrive(empty.index(prev_slot), pred=kk > 0)
                 prev_slot = slot
@@ -188,56 +178,46 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(prev_slot))
 
-            if EPILOGUE == "store":
-                c_smem = epi_bufs.index(CONSUMER)
-                tma.store_wait(0)  # this consumer's previous tile has left c_smem
-                gl.thread_barrier()
-                c_smem.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [m0, n0], c_smem)
-            else:  # "swiglu_bwd": acc = d_y_rows @ w_down[e], the unscaled d_h
-                # The program's epilogues take turns (epi_turn) on one set of tile buffers: the tile's gate and
-                # up arrive by TMA (fetched by the previous epilogue, so they land during this tile's K loop),
-                # each column chunk's outputs overwrite its inputs in place (every thread writes exactly the
-                # elements it read, no barrier needed) and fill h_bufs, and the tile leaves by TMA stores.
-                mbarrier.wait(epi_turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
-                mbarrier.wait(epi_ready, seq & 1)
-                chunks = _column_chunks(acc, EPI_SPLIT)
-                d_rw_part = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-                for c in gl.static_range(EPI_SPLIT):  # the row partials are added in column order
-                    gate_c = _chunk(epi_bufs, c, EPI_N)
-                    up_c = _chunk(up_bufs, c, EPI_N)
-                    d_h_raw = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True)
-                    # padding rows read their pre-activations as zeros, as the Triton kernel's masked loads do
-                    pre_gate = gate_c.load(chunk_layout)
-                    pre_gate = gl.where(row_ok[:, None], pre_gate, gl.zeros_like(pre_gate))
-                    pre_up = up_c.load(chunk_layout)
-                    pre_up = gl.where(row_ok[:, None], pre_up, gl.zeros_like(pre_up))
-                    d_gate, d_up, h_weighted, part = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit,
-                                                                     HAS_LIMIT)
-                    d_rw_part += part
-                    gate_c.store(d_gate)
-                    up_c.store(d_up)
-                    _chunk(h_bufs, c, EPI_N).store(h_weighted)
-                gl.store(d_rw_partial_ptr + rows.to(gl.int64) * num_n_tiles + n_tile, d_rw_part)
-                fence_async_shared()
-                gl.thread_barrier()
-                for half in gl.static_range(2):
-                    col = n0 + half * (BLOCK_N // 2)
-                    tma.async_copy_shared_to_global(dg_desc, [m0, col], epi_bufs.index(half))
-                    tma.async_copy_shared_to_global(du_desc, [m0, col], up_bufs.index(half))
-                    tma.async_copy_shared_to_global(hw_desc, [m0, col], h_bufs.index(half))
-                tma.store_wait(0)  # the buffers are read out: the next tile's gate/up can come in
-                gl.thread_barrier()
-                next_tile = tile_id + NUM_PROGRAMS
-                if next_tile < num_tiles:
-                    next_m, next_n = common.tile_coords(next_tile, num_m_tiles, num_n_tiles, GROUP_M)
-                    _fetch_pre_activations(c_desc, up_desc, epi_bufs, up_bufs, epi_ready, packed_ptr,
-                                           next_m * BLOCK_M, next_n * BLOCK_N)
-                mbarrier.arrive(epi_turn.index(1 - CONSUMER))
+            # acc = d_y_rows @ w_down[e], the unscaled d_h. The program's epilogues take turns (epi_turn) on one set of tile buffers: the tile's gate and
+            # up arrive by TMA (fetched by the previous epilogue, so they land during this tile's K loop),
+            # each column chunk's outputs overwrite its inputs in place (every thread writes exactly the
+            # elements it read, no barrier needed) and fill h_bufs, and the tile leaves by TMA stores.
+            mbarrier.wait(epi_turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
+            mbarrier.wait(epi_ready, seq & 1)
+            chunks = _column_chunks(acc, EPI_SPLIT)
+            d_rw_part = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
+            for c in gl.static_range(EPI_SPLIT):  # the row partials are added in column order
+                gate_c = _chunk(gate_bufs, c, EPI_N)
+                up_c = _chunk(up_bufs, c, EPI_N)
+                d_h_raw = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True)
+                # padding rows read their pre-activations as zeros, as the Triton kernel's masked loads do
+                pre_gate = gate_c.load(chunk_layout)
+                pre_gate = gl.where(row_ok[:, None], pre_gate, gl.zeros_like(pre_gate))
+                pre_up = up_c.load(chunk_layout)
+                pre_up = gl.where(row_ok[:, None], pre_up, gl.zeros_like(pre_up))
+                d_gate, d_up, h_weighted, part = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit,
+                                                                 HAS_LIMIT)
+                d_rw_part += part
+                gate_c.store(d_gate)
+                up_c.store(d_up)
+                _chunk(h_bufs, c, EPI_N).store(h_weighted)
+            gl.store(d_rw_partial_ptr + rows.to(gl.int64) * num_n_tiles + n_tile, d_rw_part)
+            fence_async_shared()
+            gl.thread_barrier()
+            for half in gl.static_range(2):
+                col = n0 + half * (BLOCK_N // 2)
+                tma.async_copy_shared_to_global(dg_desc, [m0, col], gate_bufs.index(half))
+                tma.async_copy_shared_to_global(du_desc, [m0, col], up_bufs.index(half))
+                tma.async_copy_shared_to_global(hw_desc, [m0, col], h_bufs.index(half))
+            tma.store_wait(0)  # the buffers are read out: the next tile's gate/up can come in
+            gl.thread_barrier()
+            next_tile = tile_id + NUM_PROGRAMS
+            if next_tile < num_tiles:
+                next_m, next_n = common.tile_coords(next_tile, num_m_tiles, num_n_tiles, GROUP_M)
+                _fetch_pre_activations(gate_desc, up_desc, gate_bufs, up_bufs, epi_ready, packed_ptr,
+                                       next_m * BLOCK_M, next_n * BLOCK_N)
+            mbarrier.arrive(epi_turn.index(1 - CONSUMER))
             seq += 2
-        if EPILOGUE == "store":
-            tma.store_wait(0)
 
     @gluon.jit
     def _halves(tile):
@@ -269,16 +249,15 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             return (c0, c1, c2, c3, c4, c5, c6, c7)
 
     @gluon.jit
-    def _pingpong_kernel(a_desc, w_desc, c_desc, up_desc, dg_desc, du_desc, hw_desc, tile_expert_ptr,
+    def _pingpong_kernel(a_desc, w_desc, gate_desc, up_desc, dg_desc, du_desc, hw_desc, tile_expert_ptr,
                          expert_offsets_ptr, num_experts, sched_block_m, N_OUT, K, row_source_ptr, packed_ptr,
-                         router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
-                         W_NK: gl.constexpr, EPILOGUE: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                         router_weights_ptr, d_rw_partial_ptr, swiglu_limit, HAS_LIMIT: gl.constexpr,
                          EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                          NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        """"store": c_desc is C [R, N_OUT]. "swiglu_bwd": c_desc / up_desc the packed gate / up halves
-        [num_packed, N_OUT], dg_desc / du_desc the d_gate / d_up halves of d_gate_up [R, N_OUT], hw_desc
-        h_weighted [R, N_OUT], all in [BLOCK_M, BLOCK_N // 2] boxes."""
+        """gate_desc / up_desc: the packed gate / up halves [num_packed, N_OUT]; dg_desc / du_desc: the d_gate /
+        d_up halves of d_gate_up [R, N_OUT]; hw_desc: h_weighted [R, N_OUT]; all in [BLOCK_M, BLOCK_N // 2]
+        boxes."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, a_desc.block_type.shape[0], a_desc.block_type.shape[1]],
@@ -288,24 +267,16 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # the epilogue buffers: "store", each consumer's output tile; "swiglu_bwd", one set of gate, up and h
-        # tile buffers (two column halves each, one TMA box) that the program's epilogues use in turn
-        # (epi_turn); epi_ready: the tile's gate and up have landed
-        if EPILOGUE == "store":
-            epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
-            up_bufs = epi_bufs
-            h_bufs = epi_bufs
-            epi_ready = turn
-            epi_turn = turn
-        else:
-            epi_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], c_desc.layout)
-            up_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], up_desc.layout)
-            h_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], hw_desc.layout)
-            epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            epi_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(epi_turn.index(i), count=1)
-            mbarrier.init(epi_ready, count=1)
+        # the epilogue's gate, up and h tile buffers (two column halves each, one TMA box), which the program's
+        # epilogues use in turn (epi_turn); epi_ready: the tile's gate and up have landed
+        gate_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], gate_desc.layout)
+        up_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], up_desc.layout)
+        h_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N // 2], hw_desc.layout)
+        epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        epi_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(epi_turn.index(i), count=1)
+        mbarrier.init(epi_ready, count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
@@ -318,16 +289,16 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         num_n_tiles = gl.cdiv(N_OUT, BLOCK_N)
         num_tiles = num_m_tiles * num_n_tiles
         gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
-                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
-                         packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 0, W_NK, EPILOGUE, HAS_LIMIT,
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, gate_desc, gate_bufs, up_desc, dg_desc, du_desc,
+                         hw_desc, up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K,
+                         row_source_ptr, packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 0, HAS_LIMIT,
                          EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
-            (_consumer, (a_bufs, w_bufs, ready, empty, turn, c_desc, epi_bufs, up_desc, dg_desc, du_desc, hw_desc,
-                         up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
-                         packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 1, W_NK, EPILOGUE, HAS_LIMIT,
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, gate_desc, gate_bufs, up_desc, dg_desc, du_desc,
+                         hw_desc, up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K,
+                         row_source_ptr, packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 1, HAS_LIMIT,
                          EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
             (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
-                       num_m_tiles, num_n_tiles, N_OUT, K, W_NK, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
+                       num_m_tiles, num_n_tiles, K, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -350,29 +321,6 @@ DGRAD_GROUP_M = 4
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
-def _launch(*, a, w2d, w_nk, schedule: Schedule, n_out: int, k: int, epilogue: str, block_n: int, block_k: int,
-            stages: int, out_views, epi_split: int = 1, group_m: int = 8, swiglu_limit=None, packed=None,
-            router_weights=None, d_rw_partial=None):
-    """out_views: "store", (C,); "swiglu_bwd", (gate, up, d_gate, d_up, h_weighted), each [rows, n_out]."""
-    block_m = 128
-    num_n_tiles = triton.cdiv(n_out, block_n)
-    max_tiles = (schedule.capacity // block_m) * num_n_tiles
-    num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
-    box = [block_m, block_n if epilogue == "store" else block_n // 2]
-    descs = [_descriptor(t, box) for t in out_views]
-    descs += [descs[0]] * (5 - len(descs))
-    dummy = schedule.row_source
-    _pingpong_kernel[(num_programs,)](
-        _descriptor(a, [block_m, block_k]), _descriptor(w2d, [block_n, block_k] if w_nk else [block_k, block_n]),
-        *descs, schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, n_out, k,
-        schedule.row_source, packed if packed is not None else dummy,
-        router_weights if router_weights is not None else dummy,
-        d_rw_partial if d_rw_partial is not None else dummy,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        W_NK=w_nk, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=group_m,
-        STAGES=stages, NUM_PROGRAMS=num_programs, BLOCK_N=block_n, CONSUMER_REGS=232, LOADER_REGS=40, **_LAUNCH)
-
-
 def takes(schedule: Schedule, *tensors: torch.Tensor, k: int | None = None, block_k: int = 64,
           split_at: int | None = None) -> bool:
     """Whether the kernel takes these operands: bf16, TMA-addressable (16-byte aligned rows and bases), whole
@@ -388,27 +336,25 @@ def takes(schedule: Schedule, *tensors: torch.Tensor, k: int | None = None, bloc
     return k is None or k % block_k == 0
 
 
-def down(h, w_down, schedule: Schedule, *, block_n=128, block_k=64, stages=4):
-    """grouped_gemm.down (o [R, H] = h @ w_down[e].T) on the ping-pong kernel."""
-    num_experts, hidden, inter = w_down.shape
-    out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
-    _launch(a=h, w2d=w_down.view(num_experts * hidden, inter), w_nk=True, schedule=schedule, n_out=hidden, k=inter,
-            epilogue="store", block_n=block_n, block_k=block_k, stages=stages, out_views=(out,))
-    return out
-
-
 def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit,
                                *, block_n=128, block_k=64, stages=4, epi_split=8):
     """grouped_gemm.down_dgrad_swiglu's GEMM on the ping-pong kernel: (d_gate_up [R, 2I], h_weighted [R, I],
     d_rw row partials [R, ceil(I / block_n)] fp32); the caller sums the partials."""
     num_experts, hidden, inter = w_down.shape
-    num_rows = schedule.capacity
+    num_rows, block_m = schedule.capacity, 128
+    num_n_tiles = triton.cdiv(inter, block_n)
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
-    d_rw_partial = common.empty((num_rows, triton.cdiv(inter, block_n)), torch.float32, gate_up.device)
+    d_rw_partial = common.empty((num_rows, num_n_tiles), torch.float32, gate_up.device)
     views = (gate_up[:, :inter], gate_up[:, inter:], d_gate_up[:, :inter], d_gate_up[:, inter:], h_weighted)
-    _launch(a=d_y_rows, w2d=w_down.view(num_experts * hidden, inter), w_nk=False, schedule=schedule, n_out=inter,
-            k=hidden, epilogue="swiglu_bwd", block_n=block_n, block_k=block_k, stages=stages, out_views=views,
-            epi_split=epi_split, group_m=DGRAD_GROUP_M, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
-            router_weights=router_weights, d_rw_partial=d_rw_partial)
+    max_tiles = (schedule.capacity // block_m) * num_n_tiles
+    num_programs = max(1, min(common.num_sms(d_y_rows.device.index), max_tiles))
+    _pingpong_kernel[(num_programs,)](
+        _descriptor(d_y_rows, [block_m, block_k]),
+        _descriptor(w_down.view(num_experts * hidden, inter), [block_k, block_n]),
+        *(_descriptor(t, [block_m, block_n // 2]) for t in views), schedule.tile_expert, schedule.expert_offsets,
+        schedule.num_experts, schedule.block_m, inter, hidden, schedule.row_source, packed_index(schedule),
+        router_weights, d_rw_partial, float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=DGRAD_GROUP_M, STAGES=stages,
+        NUM_PROGRAMS=num_programs, BLOCK_N=block_n, CONSUMER_REGS=232, LOADER_REGS=40, **_LAUNCH)
     return d_gate_up, h_weighted, d_rw_partial
