@@ -29,9 +29,9 @@ h; TMA stores take the tile out. The row partials are summed over a row's N-tile
 `_sum_partials_kernel`, in another order than the Triton kernel's (its row sums run in another
 register layout): d_rw within float rounding of it, d_gate_up and h_weighted bit for bit.
 
-Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md), the dgrad, ms, Triton -> ping-pong: qwen3-30b-a3b (H 2048) 1.09 -> 0.92, qwen3.5-397b (4096) 0.91 -> 0.83,
-kimi-k2 (7168) 1.99 -> 1.71 (sixth session); glm-5 (6144) 3.42 -> 2.89, deepseek-v4-pro (7168) 2.20 -> 1.86
-(fifth session). grouped_gemm routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the
+Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md), the dgrad, ms, Triton -> ping-pong:
+qwen3-30b-a3b (H 2048) 1.09 -> 0.92, qwen3.5-397b (4096) 0.91 -> 0.83, kimi-k2 (7168) 1.99 -> 1.71 (sixth
+session); glm-5 (6144) 3.42 -> 2.89, deepseek-v4-pro (7168) 2.20 -> 1.86 (fifth session). grouped_gemm routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the
 epilogue's math (tl.sigmoid) took ~50k cycles a tile on the 4 epilogue warps (clock64 stamps), longer
 than a tile's K loop at H = 2048, and the Triton kernel was kept for H < 6144.
 The forward gate/up + SwiGLU ran on this kernel too (commit ff09195: one [gate | up] accumulator of
@@ -178,10 +178,11 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(prev_slot))
 
-            # acc = d_y_rows @ w_down[e], the unscaled d_h. The program's epilogues take turns (epi_turn) on one set of tile buffers: the tile's gate and
-            # up arrive by TMA (fetched by the previous epilogue, so they land during this tile's K loop),
-            # each column chunk's outputs overwrite its inputs in place (every thread writes exactly the
-            # elements it read, no barrier needed) and fill h_bufs, and the tile leaves by TMA stores.
+            # acc = d_y_rows @ w_down[e], the unscaled d_h. The program's epilogues take turns (epi_turn) on one
+            # set of tile buffers: the tile's gate and up arrive by TMA (fetched by the previous epilogue, so they
+            # land during this tile's K loop), each column chunk's outputs overwrite its inputs in place (every
+            # thread writes exactly the elements it read, no barrier needed) and fill h_bufs, and the tile leaves
+            # by TMA stores.
             mbarrier.wait(epi_turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
             mbarrier.wait(epi_ready, seq & 1)
             chunks = _column_chunks(acc, EPI_SPLIT)
