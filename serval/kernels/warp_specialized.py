@@ -31,9 +31,10 @@ register layout): d_rw within float rounding of it, d_gate_up and h_weighted bit
 
 Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md), the dgrad, ms, Triton -> ping-pong:
 qwen3-30b-a3b (H 2048) 1.09 -> 0.92, qwen3.5-397b (4096) 0.91 -> 0.83, kimi-k2 (7168) 1.99 -> 1.71 (sixth
-session); glm-5 (6144) 3.42 -> 2.89, deepseek-v4-pro (7168) 2.20 -> 1.86 (fifth session). grouped_gemm routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the
-epilogue's math (tl.sigmoid) took ~50k cycles a tile on the 4 epilogue warps (clock64 stamps), longer
-than a tile's K loop at H = 2048, and the Triton kernel was kept for H < 6144.
+session); glm-5 (6144) 3.42 -> 2.89, deepseek-v4-pro (7168) 2.20 -> 1.86 (fifth session). grouped_gemm
+routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the epilogue's math (tl.sigmoid) took ~50k
+cycles a tile on the 4 epilogue warps (clock64 stamps), longer than a tile's K loop at H = 2048, and the
+Triton kernel was kept for H < 6144.
 The forward gate/up + SwiGLU ran on this kernel too (commit ff09195: one [gate | up] accumulator of
 128 x (64 + 64), the packed gate_up by TMA for full tiles and pointer stores for partial ones; 561b42c:
 x's rows gathered by the loader with cp.async): bit for bit the Triton kernel's, but 2-4% slower on the
