@@ -17,7 +17,8 @@ read every stage; `empty` counts both). Against the ping-pong kernel's 128 x 128
 A bytes per flop, so the gathering loader has half the copies to issue per MMA cycle. The epilogue is not
 overlapped (as in SonicMoE's cooperative kernels; a separate epilogue warp group, branch coop-epilogue-wg, was
 slower): the consumers store [64, EPI_N] column chunks with 16-byte pointer stores, which leaves the shared
-memory to the ring (4 stages: 192 KB; the gathering loader runs 3, which timed faster).
+memory to the ring (4 stages: 192 KB; the gathering loader runs 3, which timed faster). TMA stores through a
+16 KB staging buffer per consumer timed the same (thirteenth session; branch coop-store-tma).
 
 The weights are read in place as 2-D TMA views, as in warp_specialized: [E * N, K] with the tile at row
 e * N + n0 (an N-tile past N reads the next expert's rows into columns the stores drop), or [E * K, N] with the
