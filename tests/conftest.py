@@ -59,7 +59,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-# The Gluon kernels' cases (tests/test_kernels_ws.py, test_kernels_coop.py): several tiles per consumer and
+# The Gluon engines' cases (tests/test_gluon_pingpong.py, test_gluon_cooperative.py): several tiles per consumer and
 # N-tiles; a partial last N-tile (inter 200, hidden 320); empty experts; k = 1 on one expert; one token
 GLUON_CASES = {
     "several tiles": dict(num_tokens=300, top_k=2, num_experts=3, hidden=256, inter=384),
@@ -78,18 +78,18 @@ def cuda_topk(num_tokens, top_k, num_experts, skew, generator):
 
 def cuda_layer_step():
     """A bf16 training step of serval.moe on the GPU (512 tokens, H 256, I 128, 8 experts, k 2, a shared
-    expert): step() returns (y, every input's gradient)."""
+    expert): step(config=None) returns (y, every input's gradient)."""
     import serval
 
     x, (wg, wu, wd), shared = make_layer(512, 256, 128, 8, shared_inter=128, device="cuda", dtype=torch.bfloat16)
     rw, ids = make_routing(512, 8, 2, device="cuda")
     d_y = torch.randn_like(x)
 
-    def step():
+    def step(config=None):
         # fresh leaves each step: autograd syncs a gradient to the stream its leaf's accumulator was
         # made on, and one made on the default stream outside a capture breaks the capture
         leaves = [t.detach().requires_grad_() for t in (x, rw, wg, wu, wd, *shared)]
-        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:5], tuple(leaves[5:]))
+        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:5], tuple(leaves[5:]), config=config)
         return (y, *torch.autograd.grad(y, leaves, d_y))
 
     return step

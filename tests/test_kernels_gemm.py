@@ -26,12 +26,20 @@ if not torch.cuda.is_available():  # before serval.kernels is imported (conftest
 os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
 
 from serval import stages  # noqa: E402
-from serval.kernels import common, grouped_gemm, rows, swiglu  # noqa: E402
+from serval.kernels import common, gemm_stages, in_gemm_pull, rows, swiglu  # noqa: E402
+from serval.plan import STAGES, KernelPlan, Target, TileConfig, choose_plan  # noqa: E402
 from serval.schedule import build_schedule, dense_schedule  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not common.INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (sm_90 for TMA)")
+
+
+def triton_plan(use_tma=True, dtype=torch.bfloat16, **fields) -> KernelPlan:
+    """The plan chosen here, with every stage on the Triton GEMM (the engine these tests check)."""
+    plan = choose_plan(HIDDEN, dtype, common.target())
+    return dataclasses.replace(plan, gate_up_engine="triton", down_engine="triton", down_dgrad_engine="triton",
+                               gate_up_dgrad_engine="triton", use_tma=use_tma, **fields)
 
 # ---------------------------------------------------------------- inputs
 
@@ -184,15 +192,15 @@ def _forward_reference(case, limit):
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("limit", [None, 0.5])
-@pytest.mark.parametrize("a_source", ["fused_gather", "rows_tma", "rows_tma_pointer_stores", "rows_pointers"])
+@pytest.mark.parametrize("a_source", ["rows_tma", "rows_tma_tma_stores", "rows_pointers"])
 def test_gate_up_swiglu(routing, limit, a_source):
     case = make_case(routing)
     schedule = case["schedule"]
-    kwargs = dict(fused_gather=a_source == "fused_gather", use_tma=a_source != "rows_pointers")
-    if a_source == "rows_tma_pointer_stores":  # TMA loads, pointer stores in the epilogue
-        kwargs["config"] = dataclasses.replace(grouped_gemm.default_config("gate_up_swiglu"), epi_tma_stores=False)
-    gate_up, h = run_twice(grouped_gemm.gate_up_swiglu, case["x"], case["w_gate"], case["w_up"], schedule, limit,
-                           **kwargs)
+    plan = triton_plan(use_tma=a_source != "rows_pointers")
+    if a_source == "rows_tma_tma_stores":  # TMA loads, TMA stores of h in the epilogue
+        plan = dataclasses.replace(plan, gate_up_tiles=dataclasses.replace(plan.gate_up_tiles, epi_tma_stores=True))
+    gate_up, h = run_twice(gemm_stages.gate_up_swiglu, case["x"], case["w_gate"], case["w_up"], schedule, limit,
+                           plan=plan)
     ref_gate_up, ref_h = _forward_reference(case, limit)
     assert gate_up.shape == (schedule.num_packed, 2 * INTER)  # packed: no padding rows
     assert_close(gate_up, ref_gate_up, name="gate_up")
@@ -205,7 +213,7 @@ def test_down(routing, use_tma):
     case = make_case(routing)
     schedule = case["schedule"]
     h = _forward_reference(case, None)[1]
-    out = run_twice(grouped_gemm.down, h, case["w_down"], schedule, use_tma=use_tma)
+    out = run_twice(gemm_stages.down, h, case["w_down"], schedule, plan=triton_plan(use_tma))
     assert_close(out, stages.down(h, case["w_down"], schedule), valid_rows(schedule), "down")
 
 
@@ -213,8 +221,10 @@ def test_down(routing, use_tma):
 EPILOGUE_IO = {"tma_stores": dict(epi_tma_stores=True), "pointer_stores": dict(epi_tma_stores=False)}
 
 
-def _dgrad_config(epilogue_io, dtype=torch.float32):
-    return dataclasses.replace(grouped_gemm.default_config("down_dgrad_swiglu", dtype), **EPILOGUE_IO[epilogue_io])
+def _dgrad_plan(epilogue_io, use_tma, dtype=torch.bfloat16):
+    plan = triton_plan(use_tma, dtype)
+    return dataclasses.replace(plan, down_dgrad_tiles=dataclasses.replace(plan.down_dgrad_tiles,
+                                                                          **EPILOGUE_IO[epilogue_io]))
 
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
@@ -229,8 +239,8 @@ def test_down_dgrad_swiglu(routing, limit, use_tma, epilogue_io):
     gate_up = _forward_reference(case, limit)[0]
     d_y_rows = stages.gather(case["d_y"], schedule)
     args = (d_y_rows, case["w_down"], gate_up, case["router_weights"], schedule, limit)
-    d_gate_up, h_weighted, d_rw_rows = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma,
-                                                 config=_dgrad_config(epilogue_io, gate_up.dtype))
+    d_gate_up, h_weighted, d_rw_rows = run_twice(gemm_stages.down_dgrad_swiglu, *args,
+                                                 plan=_dgrad_plan(epilogue_io, use_tma))
     ref = stages.down_dgrad_swiglu(*args)
     rows_ok = valid_rows(schedule)
     assert_close(d_gate_up, ref[0], rows_ok, "d_gate_up")
@@ -250,21 +260,22 @@ def test_gate_up_dgrad(routing, use_tma):
     g = torch.Generator().manual_seed(3)
     d_gate_up = torch.randn(schedule.capacity, 2 * INTER, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
     d_gate_up[~valid_rows(schedule)] = 0  # as the down dgrad leaves padding rows
-    out = run_twice(grouped_gemm.gate_up_dgrad, d_gate_up, case["w_gate"], case["w_up"], schedule, use_tma=use_tma)
+    out = run_twice(gemm_stages.gate_up_dgrad, d_gate_up, case["w_gate"], case["w_up"], schedule,
+                    plan=triton_plan(use_tma))
     ref = stages.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule)
     assert_close(out, ref, valid_rows(schedule), "d_x_rows")
 
 
 def _push_case(case, stage):
-    """(the stage's GEMM as fn(**push_to), its output columns) for the pushing-epilogue test."""
+    """(the stage's GEMM as fn(plan=..., push_to=...), its output columns) for the pushing-epilogue test."""
     schedule = case["schedule"]
     if stage == "down":
         h = _forward_reference(case, None)[1]
-        return (lambda **kw: grouped_gemm.down(h, case["w_down"], schedule, **kw)), case["w_down"].shape[1]
+        return (lambda **kw: gemm_stages.down(h, case["w_down"], schedule, **kw)), case["w_down"].shape[1]
     g = torch.Generator().manual_seed(3)
     inter = case["w_gate"].shape[1]
     d_gate_up = torch.randn(schedule.capacity, 2 * inter, generator=g).to(case["x"].device, torch.bfloat16)
-    return (lambda **kw: grouped_gemm.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule, **kw),
+    return (lambda **kw: gemm_stages.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule, **kw),
             case["w_gate"].shape[2])
 
 
@@ -273,11 +284,13 @@ def check_push(case, stage, world_size, use_tma):
     N*k sources split over them (owner = source // num_slots). Every source's slot holds exactly the row
     the plain GEMM makes, bit for bit; slots no source maps to keep their NaN poison (nothing written out
     of range; padding rows write nothing)."""
-    from serval.transport import PeerSlots, symm
+    from serval.peers import PeerSlots
+    from serval.transport import symm
 
     schedule = case["schedule"]
     gemm, cols = _push_case(case, stage)
-    rows = gemm(use_tma=use_tma)
+    plan = triton_plan(use_tma)
+    rows = gemm(plan=plan)
     num_sources = case["x"].shape[0] * schedule.top_k
     num_slots = -(-num_sources // world_size) + 1  # one slot per rank that no source maps to
     buffers = [torch.full((num_slots, cols), float("nan"), dtype=torch.bfloat16, device=rows.device)
@@ -289,7 +302,7 @@ def check_push(case, stage, world_size, use_tma):
         table = torch.tensor(addresses, dtype=torch.int64, device=rows.device)
         source = schedule.row_source.to(torch.int64)
         owner, local = source // num_slots, source % num_slots
-        assert gemm(use_tma=use_tma, push_to=PeerSlots(table, num_slots, cols, torch.bfloat16, aligned)) is None
+        assert gemm(plan=plan, push_to=PeerSlots(table, num_slots, cols, torch.bfloat16, aligned)) is None
         valid = source >= 0
         got = torch.stack(buffers)[owner[valid], local[valid]]
         assert torch.equal(got.view(torch.int16), rows[valid].view(torch.int16)), f"{stage}: pushed rows differ"
@@ -299,14 +312,17 @@ def check_push(case, stage, world_size, use_tma):
 
 
 def check_pull(case, world_size, use_tma, limit=None):
-    """The gate/up GEMM pulling its own rows (pull_from, PULL_PROGRAMS communication programs) from P virtual
-    ranks' token buffers: consecutive chunks of x, each padded with NaN tokens no source maps to (a read of
-    one would show). Bitwise the gate_up and h of the plain GEMM on x."""
-    from serval.transport import PeerTokens, symm
+    """The gate/up GEMM pulling its own rows (pull_from, communication programs) from P virtual ranks' token
+    buffers: consecutive chunks of x, each padded with NaN tokens no source maps to (a read of one would
+    show). Bitwise the gate_up and h of the plain GEMM on x."""
+    from serval.peers import PeerTokens
+    from serval.transport import symm
 
     schedule, x = case["schedule"], case["x"]
     args = (case["w_gate"], case["w_up"], schedule, limit)
-    want = grouped_gemm.gate_up_swiglu(x, *args, use_tma=use_tma)
+    plan = triton_plan(use_tma, pull_programs=2)
+    want = gemm_stages.gate_up_swiglu(x, *args, plan=plan)
+    flags = in_gemm_pull.new_flags(schedule.capacity // 16, x.device)
     per_rank = -(-x.shape[0] // world_size) + 1
     padded = torch.full((world_size * per_rank, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     padded[: x.shape[0]] = x
@@ -316,7 +332,7 @@ def check_pull(case, world_size, use_tma, limit=None):
     for aligned in {False, symm.vector_aligned(addresses, x.shape[1], 2)}:
         source = PeerTokens(table, per_rank, schedule.top_k, x.shape[1], x.dtype, aligned)
         for _ in range(2):  # the second call waits for the next epoch, not the first call's flags
-            got = grouped_gemm.gate_up_swiglu(torch.empty_like(x), *args, use_tma=use_tma, pull_from=source)
+            got = gemm_stages.gate_up_swiglu(torch.empty_like(x), *args, plan=plan, pull_from=source, pull_flags=flags)
             assert_bitwise_equal(got, want, "gate_up_swiglu pulling its rows")
 
 
@@ -340,21 +356,21 @@ def test_shared_expert_dense_schedule(use_tma):
     """All four GEMMs on the shared expert's schedule (one expert, rows = tokens, rw = 1)."""
     case = make_dense_case()
     schedule, limit = case["schedule"], 0.75
+    plan = triton_plan(use_tma)
     rows_ok = valid_rows(schedule)
-    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit,
-                                             use_tma=use_tma)
+    gate_up, h = gemm_stages.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit, plan=plan)
     ref_gate_up, ref_h = _forward_reference(case, limit)
     assert_close(gate_up, ref_gate_up, name="gate_up")
     assert_close(h, ref_h, rows_ok, "h")
-    assert_close(grouped_gemm.down(ref_h, case["w_down"], schedule, use_tma=use_tma),
+    assert_close(gemm_stages.down(ref_h, case["w_down"], schedule, plan=plan),
                  stages.down(ref_h, case["w_down"], schedule), rows_ok, "down")
     d_y_rows = stages.gather(case["d_y"], schedule)
     args = (d_y_rows, case["w_down"], ref_gate_up, case["router_weights"], schedule, limit)
     for name, got, ref in zip(("d_gate_up", "h_weighted", "d_rw_rows"),
-                              grouped_gemm.down_dgrad_swiglu(*args, use_tma=use_tma), stages.down_dgrad_swiglu(*args)):
+                              gemm_stages.down_dgrad_swiglu(*args, plan=plan), stages.down_dgrad_swiglu(*args)):
         assert_close(got, ref, rows_ok, name)
     d_gate_up = stages.down_dgrad_swiglu(*args)[0]
-    assert_close(grouped_gemm.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
+    assert_close(gemm_stages.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule, plan=plan),
                  stages.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], schedule), rows_ok, "d_x_rows")
 
 
@@ -363,10 +379,12 @@ def test_backward_recomputes_forward_h_exactly(limit):
     """With router weight 1, h_weighted of the down dgrad is bitwise the h the forward kernel stored."""
     case = make_case("random")
     schedule = case["schedule"]
-    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit)
+    plan = triton_plan()
+    gate_up, h = gemm_stages.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit, plan=plan)
     ones = torch.ones_like(case["router_weights"])
     d_y_rows = stages.gather(case["d_y"], schedule)
-    _, h_weighted, _ = grouped_gemm.down_dgrad_swiglu(d_y_rows, case["w_down"], gate_up, ones, schedule, limit)
+    _, h_weighted, _ = gemm_stages.down_dgrad_swiglu(d_y_rows, case["w_down"], gate_up, ones, schedule, limit,
+                                                     plan=plan)
     rows_ok = valid_rows(schedule)
     assert_bitwise_equal(h_weighted[rows_ok], h[rows_ok], "h")
 
@@ -378,6 +396,7 @@ def test_fp32_operands(use_tma):
             for k, v in make_case("random").items()}
     schedule, limit = case["schedule"], 0.5
     rows_ok = valid_rows(schedule)
+    plan = triton_plan(use_tma, torch.float32)
 
     def check(got, ref, name):
         if name != "gate_up":  # gate_up is packed: every row holds a source
@@ -385,18 +404,17 @@ def test_fp32_operands(use_tma):
         assert got.dtype == ref.dtype == torch.float32, name
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=name)
 
-    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit,
-                                             use_tma=use_tma)
+    gate_up, h = gemm_stages.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, limit, plan=plan)
     ref_gate_up, ref_h = _forward_reference(case, limit)
     check(gate_up, ref_gate_up, "gate_up")
     check(h, ref_h, "h")
-    check(grouped_gemm.down(ref_h, case["w_down"], schedule, use_tma=use_tma),
+    check(gemm_stages.down(ref_h, case["w_down"], schedule, plan=plan),
           stages.down(ref_h, case["w_down"], schedule), "down")
     args = (stages.gather(case["d_y"], schedule), case["w_down"], ref_gate_up, case["router_weights"], schedule, limit)
-    got, ref = grouped_gemm.down_dgrad_swiglu(*args, use_tma=use_tma), stages.down_dgrad_swiglu(*args)
+    got, ref = gemm_stages.down_dgrad_swiglu(*args, plan=plan), stages.down_dgrad_swiglu(*args)
     for name, a, b in zip(("d_gate_up", "h_weighted", "d_rw_rows"), got, ref):
         check(a, b, name)
-    check(grouped_gemm.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
+    check(gemm_stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule, plan=plan),
           stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule), "d_x_rows")
 
 
@@ -404,19 +422,41 @@ def test_tile_smaller_than_schedule_block():
     """A kernel M-tile may divide the schedule's block_m (each tile still has one expert)."""
     case = make_case("random", block_m=32)
     schedule = case["schedule"]
-    config = grouped_gemm.TileConfig(16, 32, 32, group_m=3)
-    gate_up, h = grouped_gemm.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, None, config=config)
+    tiles = TileConfig(16, 32, 32, group_m=3)
+    plan = triton_plan(gate_up_tiles=tiles, down_tiles=tiles)
+    gate_up, h = gemm_stages.gate_up_swiglu(case["x"], case["w_gate"], case["w_up"], schedule, None, plan=plan)
     ref_gate_up, ref_h = _forward_reference(case, None)
     assert_close(gate_up, ref_gate_up, name="gate_up")
-    out = grouped_gemm.down(ref_h, case["w_down"], schedule, config=config)
+    out = gemm_stages.down(ref_h, case["w_down"], schedule, plan=plan)
     assert_close(out, stages.down(ref_h, case["w_down"], schedule), valid_rows(schedule), "down")
 
 
-def test_configs_are_consistent():
-    for table in grouped_gemm.CONFIGS.values():
-        for stage, config in table.items():
-            assert hasattr(grouped_gemm, stage)
-            assert config.block_n % config.epi_split == 0 and config.epi_split in (1, 2, 4)
+@pytest.mark.parametrize("capability, version, interpret", [
+    (None, "3.9", True), ((9, 0), "3.6", False), ((9, 0), "3.9", False), ((10, 0), "3.6", False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_choose_plan(capability, version, interpret, dtype, hidden):
+    """choose_plan is a pure function of its inputs; every plan it returns is consistent; the Gluon engines
+    are chosen only for bf16 on sm_90 with a Triton release in GLUON_VERSIONS."""
+    target = Target(capability, version, interpret)
+    plan = choose_plan(hidden, dtype, target)
+    assert plan == choose_plan(hidden, dtype, target)
+    for stage in STAGES:
+        tiles = plan.tiles(stage)
+        assert tiles.block_n % tiles.epi_split == 0 and tiles.epi_split in (1, 2, 4)
+    gluon = capability == (9, 0) and version == "3.6" and dtype == torch.bfloat16
+    engines = (plan.down_engine, plan.down_dgrad_engine, plan.gate_up_dgrad_engine)
+    assert engines == (("cooperative", "pingpong", "cooperative") if gluon else ("triton",) * 3)
+    assert plan.gate_up_engine == ("cooperative" if gluon and hidden <= 4096 else "triton")
+    assert plan.use_tma == (capability is not None and not interpret)
+    assert plan.pull_programs == 0
+
+
+def test_plan_rejects_unknown_engines():
+    with pytest.raises(ValueError, match="down_engine"):
+        KernelPlan(down_engine="pingpong")
+    with pytest.raises(ValueError, match="pull_programs"):
+        KernelPlan(pull_programs=-1)
 
 
 # ---------------------------------------------------------------- GPU, real sizes
@@ -445,22 +485,21 @@ def test_gpu_all_stages(how, use_tma):
         assert rel_err(got, ref) < 1e-2, f"{name}: rel err {rel_err(got, ref)}"
 
     ref_gate_up, ref_h = _forward_reference(case, limit)
-    for fused in (True, False):
-        gate_up, h = run_twice(grouped_gemm.gate_up_swiglu, case["x"], case["w_gate"], case["w_up"], schedule, limit,
-                               fused_gather=fused, use_tma=use_tma)
-        check(gate_up, ref_gate_up, "gate_up")
-        check(h, ref_h, "h")
-    check(run_twice(grouped_gemm.down, ref_h, case["w_down"], schedule, use_tma=use_tma),
+    plan = triton_plan(use_tma)
+    gate_up, h = run_twice(gemm_stages.gate_up_swiglu, case["x"], case["w_gate"], case["w_up"], schedule, limit,
+                           plan=plan)
+    check(gate_up, ref_gate_up, "gate_up")
+    check(h, ref_h, "h")
+    check(run_twice(gemm_stages.down, ref_h, case["w_down"], schedule, plan=plan),
           stages.down(ref_h, case["w_down"], schedule), "down")
     d_y_rows = stages.gather(case["d_y"], schedule)
     args = (d_y_rows, case["w_down"], ref_gate_up, case["router_weights"], schedule, limit)
     ref = stages.down_dgrad_swiglu(*args)
     for epilogue_io in EPILOGUE_IO:
-        got = run_twice(grouped_gemm.down_dgrad_swiglu, *args, use_tma=use_tma,
-                        config=_dgrad_config(epilogue_io, torch.bfloat16))
+        got = run_twice(gemm_stages.down_dgrad_swiglu, *args, plan=_dgrad_plan(epilogue_io, use_tma))
         for name, a, b in zip(("d_gate_up", "h_weighted", "d_rw_rows"), got, ref):
             check(a, b, f"{name} ({epilogue_io})")
-    check(run_twice(grouped_gemm.gate_up_dgrad, ref[0], case["w_gate"], case["w_up"], schedule, use_tma=use_tma),
+    check(run_twice(gemm_stages.gate_up_dgrad, ref[0], case["w_gate"], case["w_up"], schedule, plan=plan),
           stages.gate_up_dgrad(ref[0], case["w_gate"], case["w_up"], schedule), "d_x_rows")
 
 

@@ -1,51 +1,87 @@
-"""Triton implementations of the stages in `serval.stages`: same names, signatures and numerics.
+"""The layer's stages as GPU kernels (Triton, and Gluon on Hopper), with the names, signatures and numerics
+of `serval.stages`, bound to a `serval.plan.KernelPlan` (`KernelStages`).
 
-grouped_gemm: the four expert GEMMs (one persistent grouped-GEMM kernel with constexpr
-epilogues); weight_grad: the grouped weight gradients over the token axis; rows: gather /
-combine / sum_slots; warp_specialized: a Gluon ping-pong variant of the grouped GEMM (sm_90, Triton
-3.6; runs the down dgrad); cooperative: a Gluon cooperative gate/up + SwiGLU whose loader gathers x's rows
-(runs the forward up to H = 4096); swiglu: the SwiGLU math of their epilogues; common: what they share.
+One module per engine or job:
+    gemm_stages.py        the four expert GEMM stages, each routed to the engine its plan names
+    triton_gemm.py        the Triton persistent grouped GEMM: every stage, every device, the interpreter
+    gluon_cooperative.py  Gluon cooperative 128 x 256 GEMM (sm_90, Triton 3.6): gate/up, down, gate/up dgrad
+    gluon_pingpong.py     Gluon ping-pong GEMM (sm_90, Triton 3.6): the down dgrad + SwiGLU backward
+    gluon_common.py       the Gluon version gate, descriptors and helpers both Gluon engines use
+    in_gemm_pull.py       communication programs inside the gate/up GEMM (EP dispatch under the GEMM)
+    weight_grad.py        the grouped weight gradients over the token axis
+    rows.py               gather, combine and slot sums (memory-bound row passes)
+    swiglu.py             the SwiGLU math of every epilogue
+    common.py             interpreter, target, TMA allocator, SM count, output allocation, tile order
 """
 
-from . import grouped_gemm
-from .common import INTERPRET
-from .grouped_gemm import down, down_dgrad_swiglu, gate_up_dgrad, gate_up_swiglu
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ..plan import GLUON_VERSIONS, KernelPlan, choose_plan
+from . import gemm_stages
+from .common import INTERPRET, target
 from .rows import combine, gather, sum_slots
 from .weight_grad import down_weight_grad, gate_up_weight_grad
 
-__all__ = [
-    "check_supported",
-    "combine",
-    "down",
-    "down_dgrad_swiglu",
-    "down_weight_grad",
-    "gate_up_dgrad",
-    "gate_up_swiglu",
-    "gate_up_weight_grad",
-    "gather",
-    "pulls_in_gemm",
-    "pushes_from_epilogue",
-    "sum_slots",
-    "supports",
-]
+__all__ = ["KernelStages", "check_supported", "plan_for", "supports"]
 
 
-def pushes_from_epilogue() -> bool:
-    """Whether down / gate_up_dgrad write their rows into the EP owners' slots themselves (`push_to`):
-    grouped_gemm.PUSH_FROM_EPILOGUE."""
-    return grouped_gemm.PUSH_FROM_EPILOGUE
+class KernelStages:
+    """`serval.stages`' interface on the kernels, every GEMM stage run as `plan` says."""
+
+    # down and the gate/up dgrad write their rows into the EP owners' slots themselves (`push_to`)
+    pushes_from_epilogue = True
+
+    def __init__(self, plan: KernelPlan):
+        self.plan = plan
+
+    @property
+    def pulls_in_gemm(self) -> bool:
+        """Whether gate_up_swiglu pulls its rows from the EP owners' buffers itself (`pull_from`)."""
+        return self.plan.pull_programs > 0
+
+    gather = staticmethod(gather)
+    combine = staticmethod(combine)
+    sum_slots = staticmethod(sum_slots)
+    gate_up_weight_grad = staticmethod(gate_up_weight_grad)
+    down_weight_grad = staticmethod(down_weight_grad)
+
+    def gate_up_swiglu(self, *args, **kwargs):
+        return gemm_stages.gate_up_swiglu(*args, plan=self.plan, **kwargs)
+
+    def down(self, *args, **kwargs):
+        return gemm_stages.down(*args, plan=self.plan, **kwargs)
+
+    def down_dgrad_swiglu(self, *args, **kwargs):
+        return gemm_stages.down_dgrad_swiglu(*args, plan=self.plan, **kwargs)
+
+    def gate_up_dgrad(self, *args, **kwargs):
+        return gemm_stages.gate_up_dgrad(*args, plan=self.plan, **kwargs)
 
 
-def pulls_in_gemm() -> bool:
-    """Whether gate_up_swiglu pulls its rows from the EP owners' buffers itself (`pull_from`):
-    grouped_gemm.PULL_PROGRAMS > 0 communication programs inside the GEMM."""
-    return grouped_gemm.PULL_PROGRAMS > 0
+def plan_for(x: torch.Tensor) -> KernelPlan:
+    """The plan `choose_plan` picks for tokens x [N, H] on x's device (and, once per process, a warning when
+    a Hopper GPU runs without the Gluon engines because of the Triton release)."""
+    device_target = target(x.device.index if x.is_cuda else None)
+    if device_target.capability is not None and device_target.capability[0] == 9 and not device_target.gluon:
+        _warn_no_gluon(device_target.triton_version)
+    return choose_plan(x.shape[1], x.dtype, device_target)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_gluon(triton_version: str) -> None:
+    warnings.warn(f"serval: Triton {triton_version} runs every GEMM on the Triton engine; the faster Gluon engines "
+                  f"for Hopper need Triton {' or '.join(GLUON_VERSIONS)} (pip install 'triton=="
+                  f"{GLUON_VERSIONS[-1]}.*')", RuntimeWarning, stacklevel=3)
 
 
 def supports(feature_dims) -> bool:
-    """Whether the kernels take this problem: under the interpreter any shape; on the GPU, feature
-    dimensions (H, I, Is) that are multiples of 8. On the H200 (2026-11-29) a bf16 layer with H=24,
-    I=20 hit an illegal instruction that was not run down; every aligned shape checked was right."""
+    """Whether the kernels take this problem: under the interpreter any shape; on the GPU, feature dimensions
+    (H, I, Is) that are multiples of 8 (16-byte rows)."""
     return INTERPRET or all(d % 8 == 0 for d in feature_dims)
 
 

@@ -1,9 +1,8 @@
-"""What every Triton kernel module shares: interpreter detection, the TMA allocator, SM count, output
-allocation, the persistent grouped GEMMs' tile order, peer row addresses.
+"""What every kernel module shares: interpreter detection, the target the plan is chosen for, the TMA
+allocator, SM count, output allocation, the persistent grouped GEMMs' tile order.
 
-Under TRITON_INTERPRET=1 (CPU CI) kernels run on numpy, where bf16 `tl.dot` is
-wrong (ENVIRONMENT.md): kernels take `UPCAST=INTERPRET` and upcast dot operands
-to fp32 there, and skip TMA descriptors where the interpreter lacks them.
+Under TRITON_INTERPRET=1 (CPU CI) kernels run on numpy, where bf16 `tl.dot` is wrong: kernels take
+`UPCAST=INTERPRET` and upcast dot operands to fp32 there, and skip TMA descriptors.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ..plan import Target
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -36,8 +37,16 @@ def num_sms(device_index: int | None = None) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def target(device_index: int | None = None) -> Target:
+    """The device the kernels run on, as `serval.plan.choose_plan` sees it."""
+    capability = None
+    if not INTERPRET and torch.cuda.is_available():
+        capability = tuple(torch.cuda.get_device_capability(device_index))
+    return Target(capability, ".".join(triton.__version__.split(".")[:2]), INTERPRET)
+
+
 def supports_tma() -> bool:
-    return (not INTERPRET) and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return target().tma
 
 
 def _tma_workspace(size: int, alignment: int, stream):
@@ -63,27 +72,3 @@ def tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
     m_tile = first_m + (tile_id % tiles_per_group) % group_size
     n_tile = (tile_id % tiles_per_group) // group_size
     return m_tile, n_tile
-
-
-@triton.jit
-def peer_rows(table_ptr, source, valid, slots_per_rank, row_elements, top_k,
-              BY_TOKEN: tl.constexpr, ALIGNED: tl.constexpr, DTYPE: tl.constexpr):
-    """Typed pointer to the start of each row's peer row, from a table of every rank's buffer base
-    address (int64, one per rank; `serval.transport`): the owner's token row (BY_TOKEN: a [N, C] token
-    buffer) or slot row (a [N * k, C] slot buffer). Used by the transport's row kernels and by the grouped
-    GEMM's pushing epilogue.
-
-    source = (owner * N + token) * k + slot = owner * slots_per_rank + local source; rows with `valid`
-    False read address 0 (the caller masks them off).
-    """
-    owner = source // slots_per_rank
-    local = source % slots_per_rank
-    if BY_TOKEN:
-        local = local // top_k
-    base = tl.load(table_ptr + owner, mask=valid, other=0).to(tl.pointer_type(DTYPE))
-    pointer = base + local * row_elements
-    if ALIGNED:
-        # Loaded addresses carry no alignment facts; this one is what lets Triton emit
-        # 16-byte vector accesses (the host checked every base and the row pitch).
-        pointer = tl.multiple_of(pointer, 16)
-    return pointer

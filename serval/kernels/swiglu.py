@@ -1,21 +1,15 @@
 """The SwiGLU math of the GEMM epilogues, written once for every kernel that runs it.
 
-The gate/up GEMM's epilogue (grouped_gemm, forward) stores h = silu(gate) * up; the down dgrad's
-epilogues (grouped_gemm's Triton kernel, warp_specialized's Gluon kernel) recompute that h and take
-the SwiGLU backward. All of them call these @triton.jit functions (Gluon kernels can call Triton
-functions), so they run the same operations: the backward sees bit for bit the h that the forward
-stored and fed to the down GEMM, and the two dgrad kernels agree bit for bit.
+The gate/up GEMM's epilogue (forward) stores h = silu(gate) * up; the down dgrad's epilogues (the Triton
+GEMM's and the ping-pong engine's) recompute that h and take the SwiGLU backward. All of them call these
+@triton.jit functions (Gluon kernels can call Triton functions), so they run the same operations: the
+backward sees bit for bit the h that the forward stored and fed to the down GEMM, and the two dgrad
+engines agree bit for bit.
 
-sigmoid(x) = 1 / (1 + 2^(-x log2 e)) runs on the GPU as two special-function ops with subnormals
-flushed (`ex2.approx.ftz.f32`, `rcp.approx.ftz.f32`: ~2 ulp each), not as tl.sigmoid's exp and
-full-range division (`div.full.f32`): in the ping-pong dgrad's 4-warp epilogue those took ~50k cycles
-per 128x128 tile (clock64 stamps), more than the tile's K loop. Measured on the H200 (Triton 3.6,
-sustained load, BENCHMARKS.md sixth session), ms, tl.sigmoid -> this: the ping-pong dgrad
-qwen3-30b-a3b 1.82 -> 0.92, qwen3.5-397b 1.06 -> 0.83, kimi-k2 1.73 -> 1.71; the gate/up + SwiGLU
-forward 1.65 -> 1.63, 1.53 -> 1.49, 3.21 -> 3.09. Its h is as close to torch's as tl.sigmoid's
-(relative error 1.1e-5). The hardware tanh (0.5 + 0.5 tanh(x / 2), one op, as quack computes SiLU)
-ran as fast but 9x further from torch (tanh.approx's relative error is 2^-11). The interpreter has
-no inline PTX and uses tl.sigmoid (the CPU tests compare against the fp64 reference).
+sigmoid(x) = 1 / (1 + 2^(-x log2 e)) runs on the GPU as two special-function ops with subnormals flushed
+(`ex2.approx.ftz.f32`, `rcp.approx.ftz.f32`: ~2 ulp each), not as tl.sigmoid's exp and full-range division,
+which made the ping-pong dgrad's epilogue outlast its K loop. Its h is as close to torch's as tl.sigmoid's.
+The interpreter has no inline PTX and uses tl.sigmoid (the CPU tests compare against the fp64 reference).
 """
 
 from __future__ import annotations

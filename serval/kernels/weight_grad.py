@@ -17,9 +17,6 @@ One persistent kernel, `_wgrad_kernel`:
   `expert_offsets` on the device (no host sync). No split-K, no atomics: the
   result is bitwise deterministic and independent of which program ran what.
 * an expert with no rows stores exact zeros (zero K steps, or one discarded step when flattened).
-* B_GATHER: B rows come straight from the token tensor x [N, Q] through
-  `row_source` (token = source // top_k, -1 = padding -> zero row), so the
-  gathered x of the forward is neither kept nor re-materialised.
 * NUM_OUT = 2 splits the P axis into two outputs [E, P/2, Q] (gate and up),
   each written directly by the kernel: no copy, no views.
 * LPT: work items are ordered expert by expert, longest expert first (the
@@ -72,10 +69,10 @@ class WgradConfig:
     flatten: bool = False  # one pipelined loop over all K steps of all tiles (no bubble between tiles)
 
 
-# Named configs for the H200 (bf16). 128x256x64 / 8 warps / 3 stages is what Triton's persistent TMA GEMM
-# ran at ~680-700 TFLOP/s there (ENVIRONMENT.md); the others are the alternatives the benchmark times.
-# All compile for sm_90 with Triton 3.6 without spills (shared memory: 213 KB for 128x256 / 3 stages,
-# 229 KB for 4 stages with the split epilogue, of 227 KiB).
+# Named configs for Hopper (bf16): 128x256x64 / 8 warps / 3 stages is the tile at which Triton's persistent
+# TMA GEMM reaches cuBLAS there; the others are alternatives a benchmark can name. All compile for sm_90 with
+# Triton 3.6 without spills (shared memory: 213 KB for 128x256 / 3 stages, 229 KB for 4 stages with the split
+# epilogue, of 227 KiB).
 CONFIGS = {
     "128x256": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
     "128x256-nested": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=False),
@@ -177,17 +174,10 @@ def _load_a(a_desc, a_ptr, row, col, R, P, stride_a, BK: tl.constexpr, BP: tl.co
 
 
 @triton.jit
-def _load_b(b_desc, b_ptr, row_source_ptr, row, col, Q, stride_b, top_k,
-            BK: tl.constexpr, BQ: tl.constexpr, B_GATHER: tl.constexpr, USE_TMA: tl.constexpr):
-    """B tile [BK, BQ] at (row, col): the routed rows themselves, or gathered from the tokens."""
+def _load_b(b_desc, b_ptr, row, col, Q, stride_b, BK: tl.constexpr, BQ: tl.constexpr, USE_TMA: tl.constexpr):
+    """B tile [BK, BQ] at (row, col) of the routed rows."""
     cols = col + tl.arange(0, BQ)
-    if B_GATHER:
-        # Hopper has no TMA gather: per-row pointer loads (cp.async once pipelined), padding rows -> 0
-        source = tl.load(row_source_ptr + row + tl.arange(0, BK))
-        token = tl.where(source >= 0, source // top_k, 0)
-        ptrs = b_ptr + token.to(tl.int64)[:, None] * stride_b + cols[None, :]
-        b = tl.load(ptrs, mask=(source >= 0)[:, None] & (cols < Q)[None, :], other=0.0)
-    elif USE_TMA:
+    if USE_TMA:
         b = b_desc.load([row, col])
     else:
         rows = row + tl.arange(0, BK)
@@ -232,11 +222,11 @@ def _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, c, expert, out, p0, 
 
 @triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, row_source_ptr, offsets_ptr, order_ptr, out0_ptr, out1_ptr,
-    R, P, Q, P_OUT, E, top_k, B_ROWS,
+    a_ptr, b_ptr, offsets_ptr, order_ptr, out0_ptr, out1_ptr,
+    R, P, Q, P_OUT, E,
     stride_a, stride_b, stride_oe, stride_op,
     BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_OUT: tl.constexpr, B_GATHER: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
+    NUM_OUT: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
     LPT: tl.constexpr, FLATTEN: tl.constexpr, E_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -254,8 +244,7 @@ def _wgrad_kernel(
     out1_desc = None
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[stride_a, 1], block_shape=[BK, BP])
-        if not B_GATHER:
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[B_ROWS, Q], strides=[stride_b, 1], block_shape=[BK, BQ])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[R, Q], strides=[stride_b, 1], block_shape=[BK, BQ])
         OUT_BQ: tl.constexpr = BQ // 2 if SUBTILE else BQ
         out0_desc = tl.make_tensor_descriptor(out0_ptr, shape=[E, P_OUT, Q], strides=[stride_oe, stride_op, 1],
                                               block_shape=[1, BP, OUT_BQ])
@@ -292,7 +281,7 @@ def _wgrad_kernel(
             acc = tl.zeros([BP, BQ], dtype=tl.float32)
             for row in tl.range(row_begin, row_end, BK, num_stages=NUM_STAGES):
                 a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
-                b = _load_b(b_desc, b_ptr, row_source_ptr, row, q0, Q, stride_b, top_k, BK, BQ, B_GATHER, USE_TMA)
+                b = _load_b(b_desc, b_ptr, row, q0, Q, stride_b, BK, BQ, USE_TMA)
                 if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
@@ -341,7 +330,7 @@ def _wgrad_kernel(
                 row_base = row_begin * (1 - empty)
             row = row_base + kk * BK
             a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
-            b = _load_b(b_desc, b_ptr, row_source_ptr, row, q0, Q, stride_b, top_k, BK, BQ, B_GATHER, USE_TMA)
+            b = _load_b(b_desc, b_ptr, row, q0, Q, stride_b, BK, BQ, USE_TMA)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -371,7 +360,6 @@ def grouped_wgrad(
     schedule: Schedule,
     *,
     num_outputs: int = 1,
-    gather: bool = False,
     config: WgradConfig | str | None = None,
     use_tma: bool | None = None,
     lpt: bool = True,
@@ -379,8 +367,7 @@ def grouped_wgrad(
 ) -> tuple[torch.Tensor, ...]:
     """The kernel's entry point: `num_outputs` tensors [E, P / num_outputs, Q] in a's dtype.
 
-    a [R, P]: the routed rows (R = schedule.capacity). b: [R, Q] routed rows, or with `gather` the token
-    tensor [N, Q] whose rows are read through `schedule.row_source`. `config` (a WgradConfig or a CONFIGS
+    a [R, P], b [R, Q]: routed rows (R = schedule.capacity), one dtype (bf16, fp16 or fp32). `config` (a WgradConfig or a CONFIGS
     name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
     plain expert order. None of these change the result.
     """
@@ -391,10 +378,8 @@ def grouped_wgrad(
     E = schedule.num_experts
     if R != schedule.capacity:
         raise ValueError(f"a has {R} rows, the schedule's capacity is {schedule.capacity}")
-    if not gather and b.shape[0] != R:
-        raise ValueError(f"b has {b.shape[0]} rows, expected {R} (or pass gather=True with the token tensor)")
-    if gather and b.shape[0] != schedule.num_tokens:
-        raise ValueError(f"x has {b.shape[0]} tokens, the schedule has {schedule.num_tokens}")
+    if b.shape[0] != R:
+        raise ValueError(f"b has {b.shape[0]} rows, expected the schedule's capacity {R}")
     if P % num_outputs:
         raise ValueError(f"P={P} does not split into {num_outputs} outputs")
     if a.stride(-1) != 1:
@@ -412,7 +397,7 @@ def grouped_wgrad(
     outs = tuple(common.empty((E, P_out, Q), a.dtype, a.device) for _ in range(num_outputs))
     if use_tma is None:
         use_tma = common.supports_tma() and a.is_cuda
-    use_tma = use_tma and _tma_ok(a, *outs, *(() if gather else (b,)))
+    use_tma = use_tma and _tma_ok(a, b, *outs)
     if use_tma and a.is_cuda:
         common.install_tma_allocator()
 
@@ -424,11 +409,11 @@ def grouped_wgrad(
     if flatten is None:
         flatten = config.flatten
     _wgrad_kernel[grid](
-        a, b, schedule.row_source, schedule.expert_offsets, order, outs[0], outs[-1],
-        R, P, Q, P_out, E, schedule.top_k, b.shape[0],
+        a, b, schedule.expert_offsets, order, outs[0], outs[-1],
+        R, P, Q, P_out, E,
         a.stride(0), b.stride(0), outs[0].stride(0), outs[0].stride(1),
         BP=config.block_p, BQ=config.block_q, BK=config.block_k, GROUP_P=config.group_p,
-        NUM_OUT=num_outputs, B_GATHER=gather, USE_TMA=use_tma, SUBTILE=config.epilogue_subtile and use_tma,
+        NUM_OUT=num_outputs, USE_TMA=use_tma, SUBTILE=config.epilogue_subtile and use_tma,
         LPT=lpt, FLATTEN=flatten, E_PAD=e_pad, NUM_STAGES=config.num_stages, UPCAST=common.INTERPRET,
         # fp32 inputs (tests) get true fp32 products; 16-bit inputs ignore it on the GPU
         PRECISION="ieee" if a.dtype == torch.float32 or common.INTERPRET else "tf32",
@@ -440,26 +425,20 @@ def grouped_wgrad(
 # ---------------------------------------------------------------- the stages (same signatures as serval.stages)
 
 def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Schedule, *, x_rows=None,
-                        gather: bool = False, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg].
+                        config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg]; d_gate_up [R, 2I], x [N, H].
 
-    x_rows: the rows already gathered (at EP: pulled); otherwise x is regathered by the row kernel.
-    The rows are read by TMA; gather=True gathers them inside this
-    kernel instead (pointer loads), which the H200 ran at half the rate (2026-11-29, qwen3-30b-a3b:
-    296 vs 637 TFLOP/s), so it is kept only for timing.
+    x_rows [R, H]: the rows already gathered (at EP: pulled); otherwise x is regathered by the row kernel
+    (a gather pass and TMA reads of its rows run faster than gathering with pointer loads in this kernel).
     """
-    if gather:
-        return grouped_wgrad(d_gate_up, x, schedule, num_outputs=2, gather=True, config=config)
     x_rows = gather_rows(x, schedule) if x_rows is None else x_rows
     return grouped_wgrad(d_gate_up, x_rows, schedule, num_outputs=2, config=config)
 
 
 def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule: Schedule, *, config=None) -> torch.Tensor:
-    """d_w_down [E, H, I] = d_y_rows[seg].T @ h_weighted[seg].
+    """d_w_down [E, H, I] = d_y_rows[seg].T @ h_weighted[seg]; d_y_rows [R, H], h_weighted [R, I].
 
-    Where the table picks 128x256, this gradient takes its 4-stage split-store variant: on the H200
-    (2026-11-29, benchmarks/results/h200_kernel_wgrad.txt) it ran 741 vs 654 TFLOP/s on kimi-k2 and
-    617 vs 605 on qwen3-30b-a3b.
+    Where the table picks 128x256, this gradient takes the 4-stage split-store variant, the faster one for it.
     """
     if config is None and pick_config(d_y_rows.shape[1], h_weighted.shape[1], schedule.block_m) is CONFIGS["128x256"]:
         config = "128x256s"

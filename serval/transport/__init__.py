@@ -13,12 +13,12 @@ Every movement of the MoE layer is one of two primitives over the schedule's
   and d_router_weights.
 * ``pull_into(consume, tokens) -> consume's result``: the same exchange for a consumer that reads the
   rows from the owners' buffers itself: ``consume(PeerTokens)`` runs between the two barriers of a pull.
-  The gate/up GEMM takes it as `pull_from` (`serval.kernels.grouped_gemm`, PULL_PROGRAMS).
+  The gate/up GEMM takes it as `pull_from` (`serval.kernels.in_gemm_pull`).
 * ``push_from(write, cols, dtype) -> slots``: the same exchange for a producer that writes its rows
   into the owners' slots itself: ``write(PeerSlots)`` gets the table of every rank's slot buffer
   address, between the two barriers of a push. The Triton GEMMs that make the expert outputs and
   the d_x rows take it as `push_to` and store each row to its owner's slot from their epilogue
-  (`serval.kernels.grouped_gemm`, PUSH), so those rows never pass through memory in between.
+  (`serval.kernels.triton_gemm`, PUSH), so those rows never pass through memory in between.
 
 A slot is written by exactly one row of one rank, so pushes never collide and need no
 atomics; the owner's fixed-order sum over its slots keeps results bitwise identical.
@@ -31,34 +31,13 @@ bounded waits; no NVLink multicast).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, Protocol
 
 import torch
 
+from ..peers import PeerSlots, PeerTokens
 
-class PeerTokens(NamedTuple):
-    """Where `pull_into`'s consumer reads: token t of rank p's token buffer [num_tokens, cols] (dtype) starts
-    at address table[p] + t * cols * itemsize (sources: (p * num_tokens + t) * top_k + slot); table is an
-    int64 tensor on the rows' device; aligned as in PeerSlots."""
-
-    table: torch.Tensor
-    num_tokens: int
-    top_k: int
-    cols: int
-    dtype: torch.dtype
-    aligned: bool
-
-
-class PeerSlots(NamedTuple):
-    """Where `push_from`'s producer writes: slot s of rank p's slot buffer [num_slots, cols] (dtype)
-    starts at address table[p] + s * cols * itemsize; table is an int64 tensor on the rows' device.
-    aligned: every base and the row pitch are 16-byte aligned (vector stores are safe)."""
-
-    table: torch.Tensor
-    num_slots: int
-    cols: int
-    dtype: torch.dtype
-    aligned: bool
+__all__ = ["PeerSlots", "PeerTokens", "Transport", "split_source"]
 
 
 class Transport(Protocol):

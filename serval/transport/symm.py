@@ -41,8 +41,9 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from .. import peers
 from ..kernels import common
-from . import PeerSlots, PeerTokens
+from ..peers import PeerSlots, PeerTokens
 
 # NVLink multicast (NVLS) is never used by serval; torch reads this when it allocates.
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -78,7 +79,7 @@ def _pull_kernel(table_ptr, row_source_ptr, rows_ptr, num_rows, cols, slots_per_
     source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
     valid = source >= 0
     source = tl.where(valid, source, 0)
-    peer = common.peer_rows(table_ptr, source, valid, slots_per_rank, cols, top_k,
+    peer = peers.peer_rows(table_ptr, source, valid, slots_per_rank, cols, top_k,
                             True, ALIGNED, rows_ptr.dtype.element_ty)
     values = tl.load(peer[:, None] + c[None, :], mask=valid[:, None] & col_ok, other=0.0)
     tl.store(rows_ptr + rows.to(tl.int64)[:, None] * cols + c[None, :], values, mask=row_ok[:, None] & col_ok)
@@ -99,7 +100,7 @@ def _push_kernel(table_ptr, row_source_ptr, rows_ptr, stride_rows, num_rows, col
     source = tl.where(valid, source, 0)
     mask = valid[:, None] & col_ok
     values = tl.load(rows_ptr + rows.to(tl.int64)[:, None] * stride_rows + c[None, :], mask=mask)
-    peer = common.peer_rows(table_ptr, source, valid, slots_per_rank, cols, 1,
+    peer = peers.peer_rows(table_ptr, source, valid, slots_per_rank, cols, 1,
                             False, ALIGNED, rows_ptr.dtype.element_ty)
     tl.store(peer[:, None] + c[None, :], values, mask=mask)
 

@@ -1,49 +1,47 @@
-"""Grouped GEMMs on cooperative 128 x 256 tiles in Gluon (Hopper, Triton 3.6), the tile shape SonicMoE's Hopper
-GEMMs run in. Two epilogues (EPILOGUE), selected per use by grouped_gemm at EP=1 on sm_90:
+"""The cooperative engine: a warp-specialised grouped GEMM in Gluon (sm_90, Triton 3.6) on cooperative
+128 x 256 tiles, the tile shape SonicMoE's Hopper GEMMs run in. Two epilogues (EPILOGUE):
 
-* "swiglu_fwd": the forward gate/up + SwiGLU, whose loader gathers x's rows itself (cp.async), up to
-  grouped_gemm.COOPERATIVE_GATHER_MAX_HIDDEN: no gather pass (BENCHMARKS.md, eleventh session). The weight tile is
-  w_gate's [128, 64] over w_up's, so [gate | up] is one N = 256 accumulator and the SwiGLU pairs sit in the same
-  thread. Each consumer rounds its [64, 128] gate and up to bf16, computes h and stores the three (gate and up
-  into their packed rows).
-* "store": a plain bf16 store of the [128, 256] tile: the down GEMM (W_NK: weights [E, N, K]) and the gate/up
-  dgrad (weights [E, K, N], K_SPLIT: A's first K columns against w_gate, the next K against w_up, one
-  accumulator). grouped_gemm.COOPERATIVE_STORE (BENCHMARKS.md, twelfth session).
+* "swiglu_fwd": gate/up + SwiGLU. The weight tile is w_gate's [128, 64] over w_up's, so [gate | up] is one
+  N = 256 accumulator and each SwiGLU pair sits in one thread. Each consumer rounds its [64, 128] gate and
+  up to bf16, computes h and stores the three (gate and up into their packed rows). With A_GATHER the
+  loader gathers x's rows itself (cp.async), so no gather pass runs before it.
+* "store": a plain bf16 store of the [128, 256] tile: down (W_NK: weights [E, N, K]) and the gate/up dgrad
+  (weights [E, K, N], K_SPLIT: A's first K columns against w_gate, the next K against w_up, one
+  accumulator).
 
-Roles: a loader (one warp with TMA for A, or four warps gathering A with cp.async, each thread's copies arriving
-on the stage's `ready` barrier by themselves) feeds a STAGES-deep ring of [128, 64] A and [256, 64] / [64, 256]
-weight slots. Two consumer warp groups work on every tile together, rows 0-63 and 64-127 (cooperative: both
-read every stage; `empty` counts both). Against the ping-pong kernel's 128 x 128 tiles, a stage carries half the
-A bytes per flop, so the gathering loader has half the copies to issue per MMA cycle. The epilogue is not
-overlapped (as in SonicMoE's cooperative kernels; a separate epilogue warp group, branch coop-epilogue-wg, was
-slower): the consumers store [64, EPI_N] column chunks with 16-byte pointer stores, which leaves the shared
-memory to the ring (4 stages: 192 KB; the gathering loader runs 3, which timed faster). TMA stores through a
-16 KB staging buffer per consumer timed the same (thirteenth session; branch coop-store-tma).
+Roles: a loader (one warp with TMA for A, or four warps gathering A with cp.async, each thread's copies
+arriving on the stage's `ready` barrier by themselves) feeds a STAGES-deep ring of [128, 64] A and
+[256, 64] / [64, 256] weight slots. Two consumer warp groups work on every tile together, rows 0-63 and
+64-127 (cooperative: both read every stage; `empty` counts both). Against 128 x 128 tiles a stage carries
+half the A bytes per flop, so a gathering loader has half the copies to issue per MMA cycle. The epilogue
+is not overlapped with MMAs: the consumers store [64, EPI_N] column chunks with 16-byte pointer stores,
+which leaves the shared memory to the ring.
 
-The weights are read in place as 2-D TMA views, as in warp_specialized: [E * N, K] with the tile at row
-e * N + n0 (an N-tile past N reads the next expert's rows into columns the stores drop), or [E * K, N] with the
-K-tile at row e * K + k, so `takes` asks K % 64 == 0 there.
+The weights are read in place as 2-D TMA views: [E * N, K] with the tile at row e * N + n0 (an N-tile past
+N reads the next expert's rows into columns the stores drop), or [E * K, N] with the K-tile at row
+e * K + k, so `gluon_common.takes` asks K % 64 == 0 there.
 
-Determinism and the results: as grouped_gemm's kernel (K in BLOCK_K steps, one program per output element); every
-output equals it bit for bit (tests/test_kernels_coop.py, benchmarks/kernel_coop.py). The mbarrier waits need no
-time bound, as in warp_specialized: every arrival they wait for is made unconditionally by the same program. A by
-TMA over gathered rows (A_GATHER off with "swiglu_fwd") is what the benchmark compares against, to tell the
-gather's cost from the tile's.
+Determinism and results: as the Triton GEMM (K in BLOCK_K steps, one program per output element); every
+output equals it bit for bit (tests/test_kernels_coop.py). The mbarrier waits need no time bound: every
+arrival they wait for is made unconditionally by the same program.
 """
 
 from __future__ import annotations
 
 import triton
 
+from ..plan import GluonConfig
 from ..schedule import Schedule, packed_index
-from . import common, swiglu, warp_specialized as ws
+from . import common, gluon_common, swiglu
 
-if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
+if gluon_common.GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+
+    from .gluon_common import column_chunks, descriptor, halves
 
     @gluon.jit
     def _loader(a_desc, w0_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
@@ -149,11 +147,11 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
             rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
             out_rows = out_ptr + rows.to(gl.int64)[:, None] * N_OUT
             if EPILOGUE == "swiglu_fwd":
-                # gate_up is kept rounded; h is computed from the rounded values, as grouped_gemm's kernel does
+                # gate_up is kept rounded; h is computed from the rounded values, as the Triton GEMM does
                 packed = gl.load(packed_ptr + rows)
-                gate_acc, up_acc = ws._halves(acc)
-                gate_chunks = ws._column_chunks(gate_acc, EPI_SPLIT)
-                up_chunks = ws._column_chunks(up_acc, EPI_SPLIT)
+                gate_acc, up_acc = halves(acc)
+                gate_chunks = column_chunks(gate_acc, EPI_SPLIT)
+                up_chunks = column_chunks(up_acc, EPI_SPLIT)
                 for c in gl.static_range(EPI_SPLIT):
                     gate = gl.convert_layout(gate_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
                     up = gl.convert_layout(up_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
@@ -166,7 +164,7 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
                     gl.store(packed_ptrs + N_OUT, gl.convert_layout(up, store_layout), mask=packed_mask)
                     gl.store(out_rows + cols[None, :], gl.convert_layout(h, store_layout), mask=col_ok)
             else:
-                chunks = ws._column_chunks(acc, EPI_SPLIT)
+                chunks = column_chunks(acc, EPI_SPLIT)
                 for c in gl.static_range(EPI_SPLIT):
                     value = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
                     cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, store_layout))
@@ -214,20 +212,8 @@ if ".".join(triton.__version__.split(".")[:2]) in ws.GLUON_VERSIONS:
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
-def takes(schedule: Schedule, a, *weights, k: int | None = None) -> bool:
-    """Whether the kernel runs here and takes these operands: the ping-pong kernel's conditions (sm_90, Triton 3.6,
-    bf16, TMA-addressable rows, whole 128-row tiles; with k, the weights' K rows a whole number of K-tiles)."""
-    return ws.takes(schedule, a, *weights, k=k)
-
-
-# ring stages, epilogue column chunks, tile-group height, per use; with the loader gathering, 3 stages timed faster
-# than 4 on the H200 (eleventh session). Read at call time, so benchmarks/layer_variants.py can set them.
-CONFIG = {"rows": dict(stages=4, epi_split=4, group_m=8), "gather": dict(stages=3, epi_split=4, group_m=8),
-          "store": dict(stages=4, epi_split=4, group_m=8)}
-
-
 def _launch(a, w0, w1, *, schedule: Schedule, n_out: int, k: int, epilogue: str, w_nk: bool, k_split: bool,
-            gather: bool, out, config: dict, swiglu_limit=None, gate_up=None):
+            gather: bool, out, config: GluonConfig, swiglu_limit=None, gate_up=None):
     """w0, w1: the weights as 2-D TMA views ([E * N, K] if w_nk, else [E * K, N]); a: rows [R, K] (K_SPLIT:
     [R, 2K]) or, gathering, the tokens."""
     block_m, block_k, block_n = 128, 64, 256
@@ -236,49 +222,47 @@ def _launch(a, w0, w1, *, schedule: Schedule, n_out: int, k: int, epilogue: str,
     num_tiles = (schedule.capacity // block_m) * triton.cdiv(n_out, tile_n)
     num_programs = max(1, min(common.num_sms(a.device.index), num_tiles))
     _cooperative_kernel[(num_programs,)](
-        ws._descriptor(a, [block_m, block_k]), ws._descriptor(w0, w_box), ws._descriptor(w1, w_box),
+        descriptor(a, [block_m, block_k]), descriptor(w0, w_box), descriptor(w1, w_box),
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, n_out, k, a,
         schedule.row_source, schedule.top_k, packed_index(schedule) if gate_up is not None else schedule.row_source,
         gate_up if gate_up is not None else out, out, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         EPILOGUE=epilogue, W_NK=w_nk, K_SPLIT=k_split, A_GATHER=gather, HAS_LIMIT=swiglu_limit is not None,
-        EPI_SPLIT=config["epi_split"], GROUP_M=config["group_m"], STAGES=config["stages"], NUM_PROGRAMS=num_programs,
+        EPI_SPLIT=config.epi_split, GROUP_M=config.group_m, STAGES=config.stages, NUM_PROGRAMS=num_programs,
         CONSUMER_REGS=232, LOADER_WARPS=4 if gather else 1, LOADER_REGS=40, num_warps=4, maxnreg=168)
 
 
-def _config(use: str, **overrides) -> dict:
-    return {**CONFIG[use], **{name: value for name, value in overrides.items() if value}}
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, config: GluonConfig, *, gather: bool):
+    """Gate/up + SwiGLU on the cooperative engine.
 
-
-def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, *, gather: bool, stages: int | None = None,
-                   epi_split: int | None = None, group_m: int | None = None):
-    """grouped_gemm.gate_up_swiglu on the cooperative kernel: (gate_up packed [num_packed, 2I], h [R, I]).
-    x: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader (cp.async)."""
+    x bf16: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader
+    (cp.async); w_gate, w_up bf16 [E, I, H]. Returns gate_up bf16 [num_packed, 2I] (packed rows) and
+    h bf16 [R, I]."""
     num_experts, inter, hidden = w_gate.shape
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
     h = common.empty((schedule.capacity, inter), x.dtype, x.device)
     _launch(x, w_gate.view(num_experts * inter, hidden), w_up.view(num_experts * inter, hidden), schedule=schedule,
             n_out=inter, k=hidden, epilogue="swiglu_fwd", w_nk=True, k_split=False, gather=gather, out=h,
-            config=_config("gather" if gather else "rows", stages=stages, epi_split=epi_split, group_m=group_m),
-            swiglu_limit=swiglu_limit, gate_up=gate_up)
+            config=config, swiglu_limit=swiglu_limit, gate_up=gate_up)
     return gate_up, h
 
 
-def down(h, w_down, schedule: Schedule, **config):
-    """grouped_gemm.down on the cooperative kernel: o [R, H] = h @ w_down[e].T (config: CONFIG["store"]'s keys)."""
+def down(h, w_down, schedule: Schedule, config: GluonConfig):
+    """The down GEMM on the cooperative engine: h bf16 [R, I], w_down bf16 [E, H, I] -> o bf16 [R, H] =
+    h @ w_down[e].T."""
     num_experts, hidden, inter = w_down.shape
     out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
     w2d = w_down.view(num_experts * hidden, inter)
     _launch(h, w2d, w2d, schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=True, k_split=False,
-            gather=False, out=out, config=_config("store", **config))
+            gather=False, out=out, config=config)
     return out
 
 
-def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, **config):
-    """grouped_gemm.gate_up_dgrad on the cooperative kernel: d_x_rows [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e],
-    one accumulation over K = 2I (config: CONFIG["store"]'s keys)."""
+def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, config: GluonConfig):
+    """The gate/up dgrad on the cooperative engine: d_gate_up bf16 [R, 2I], w_gate, w_up bf16 [E, I, H] ->
+    d_x_rows bf16 [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e], one accumulation over K = 2I."""
     num_experts, inter, hidden = w_gate.shape
     out = common.empty((schedule.capacity, hidden), d_gate_up.dtype, d_gate_up.device)
     _launch(d_gate_up, w_gate.view(num_experts * inter, hidden), w_up.view(num_experts * inter, hidden),
             schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=False, k_split=True, gather=False,
-            out=out, config=_config("store", **config))
+            out=out, config=config)
     return out

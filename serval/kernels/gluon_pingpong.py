@@ -1,87 +1,48 @@
-"""Warp-specialised ping-pong grouped GEMM in Gluon (Hopper, Triton 3.6) for the down dgrad fused with the
-SwiGLU backward: its large epilogue beside the MMAs.
+"""The ping-pong engine: a warp-specialised grouped GEMM in Gluon (sm_90, Triton 3.6) for the down dgrad
+fused with the SwiGLU backward, whose large epilogue runs beside the other consumer's MMAs.
 
-`grouped_gemm`'s Triton kernel runs each tile's epilogue between its own MMAs: while a tile's
-epilogue loads, computes and stores, that SM's tensor cores idle (Triton 3.6 has no working
-warp specialisation for it on sm_90; see grouped_gemm's docstring). This kernel is the same
-grouped GEMM over the schedule's M-tiles, written in Gluon with three warp roles per program:
+The Triton GEMM (`triton_gemm`) runs each tile's epilogue between its own MMAs, so that SM's tensor cores
+idle while the epilogue loads, computes and stores. This kernel is the same grouped GEMM over the
+schedule's M-tiles with three warp roles per program:
 
-* a loader warp issues TMA loads of (A, W) K-tiles into a ring of STAGES shared-memory slots,
-  each guarded by a `ready` (bytes landed) and an `empty` (MMA retired) mbarrier;
+* a loader warp issues TMA loads of (A, W) K-tiles into a ring of STAGES shared-memory slots, each
+  guarded by a `ready` (bytes landed) and an `empty` (MMA retired) mbarrier;
 * two consumer warp groups (4 warps, 232 registers per thread each) take alternate tiles of the
-  program's list (ping-pong): one runs its epilogue while the other's wgmmas run. They run their
-  K loops in tile order (the `turn` barriers): mbarrier waits see only a phase's parity, so a
-  consumer a whole tile ahead of the ring would pass a wait meant for a later phase.
+  program's list (ping-pong): one runs its epilogue while the other's wgmmas run. They run their K loops
+  in tile order (the `turn` barriers): an mbarrier wait sees only a phase's parity, so a consumer a
+  whole tile ahead of the ring would pass a wait meant for a later phase.
 
-Layouts: A (d_y_rows) is a row-major [R, K] buffer read through TMA. The weight w_down [E, H, I] = [E, K, N]
-is read in place as one 2-D TMA view [E * K, N], the tile at row e * K + k. A K-tile must not reach
-into the next expert's rows, so `takes` requires K % BLOCK_K == 0 for that layout.
+Layouts: A (d_y_rows) is a row-major [R, K] buffer read through TMA. The weight w_down [E, H, I] =
+[E, K, N] is read in place as one 2-D TMA view [E * K, N], the tile at row e * K + k (so K must be a
+whole number of K-tiles: `gluon_common.takes`).
 
 The epilogue (d_h_raw = d_y_rows @ w_down[e]): the SwiGLU backward and the router-weight gradient's row
-partials (`swiglu.backward`, as in grouped_gemm's kernel), and no global access by the
-consumer warps but the row data and the partials. The program's epilogues take turns (`epi_turn`) on
-one set of tile buffers (gate, up, h: 96 KB, beside a 4-stage ring): TMA brings the tile's packed gate
-and up in (a tile's rows that hold a source come first, with consecutive packed indices), fetched by
-the previous epilogue so that they land during this tile's K loop; the accumulator is processed in
-EPI_SPLIT column chunks of its wgmma layout (fewer live fp32 temporaries), each chunk's outputs
-overwriting its inputs in place (every thread writes the elements it read: no barrier) and filling
-h; TMA stores take the tile out. The row partials are summed over a row's N-tiles by grouped_gemm's
-`_sum_partials_kernel`, in another order than the Triton kernel's (its row sums run in another
-register layout): d_rw within float rounding of it, d_gate_up and h_weighted bit for bit.
+partials (`swiglu.backward`, as in the Triton GEMM). The program's epilogues take turns (`epi_turn`) on
+one set of tile buffers (gate, up, h: 96 KB beside a 4-stage ring): TMA brings the tile's packed gate and
+up in (a tile's rows that hold a source come first, with consecutive packed indices), fetched by the
+previous epilogue so that they land during this tile's K loop; the accumulator is processed in EPI_SPLIT
+column chunks of its wgmma layout (fewer live fp32 temporaries), each chunk's outputs overwriting its
+inputs in place (every thread writes the elements it read: no barrier) and filling h; TMA stores take
+the tile out. The row partials are summed over a row's N-tiles by `triton_gemm.sum_partials`.
 
-Measured (H200, Triton 3.6, sustained load; BENCHMARKS.md), the dgrad, ms, Triton -> ping-pong:
-qwen3-30b-a3b (H 2048) 1.09 -> 0.92, qwen3.5-397b (4096) 0.91 -> 0.83, kimi-k2 (7168) 1.99 -> 1.71 (sixth
-session); glm-5 (6144) 3.42 -> 2.89, deepseek-v4-pro (7168) 2.20 -> 1.86 (fifth session). grouped_gemm
-routes the dgrad here wherever `takes` holds. Until swiglu.sigmoid, the epilogue's math (tl.sigmoid) took ~50k
-cycles a tile on the 4 epilogue warps (clock64 stamps), longer than a tile's K loop at H = 2048, and the
-Triton kernel was kept for H < 6144.
-The forward gate/up + SwiGLU ran on this kernel too (commit ff09195: one [gate | up] accumulator of
-128 x (64 + 64), the packed gate_up by TMA for full tiles and pointer stores for partial ones; 561b42c:
-x's rows gathered by the loader with cp.async): bit for bit the Triton kernel's, but 2-4% slower on the
-large-K shapes, no faster in the layer at H = 2048, and the loader's gather slower than the gather pass
-(BENCHMARKS.md, seventh session); removed. So was its plain-store epilogue for `down` (as fast as the
-Triton kernel; `cooperative` runs down now). Earlier versions, measured and replaced: the accumulator
-staged as fp32 in shared memory and the gate/up loads and output stores through pointers (1.32 ms
-qwen3-30b-a3b: the global accesses were not hidden, and the staging left room for 3 stages only);
-per-chunk TMA boxes with a barrier per chunk (1.73-1.89 ms), both with tl.sigmoid.
-
-Determinism is grouped_gemm's: one program writes each output element, the K loop has one
-order (BLOCK_K steps, wgmma), no atomics. The mbarrier waits need no time bound: every arrival
-they wait for is made unconditionally by the same program (TMA completion, a sibling warp's
-progress), as in any software-pipelined GEMM; serval's bound applies to waits on other programs
-and GPUs.
-
-Gluon is Triton's experimental layout-explicit language; its API moves between releases, so this
-module defines its kernel only under the Triton minor versions in GLUON_VERSIONS, and `available()`
-also asks for an sm_90 GPU. Gluon has no CPU interpreter: tests/test_kernels_ws.py checks this kernel
-against the Triton kernel on the H200 (skipped elsewhere).
+Determinism: one program writes each output element, the K loop has one order (BLOCK_K steps, wgmma),
+no atomics; d_gate_up and h_weighted equal the Triton GEMM's bit for bit, d_rw within float rounding of
+it (its row sums run in another register layout), each deterministic. The mbarrier waits need no time
+bound: every arrival they wait for is made unconditionally by the same program (TMA completion, a
+sibling warp's progress), as in any software-pipelined GEMM; serval's bound applies to waits on other
+programs and GPUs.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
+from ..plan import GluonConfig
 from ..schedule import Schedule, packed_index
-from . import common, swiglu
+from . import common, gluon_common, swiglu
 
-# the Triton releases whose Gluon API this module was written and checked against
-GLUON_VERSIONS = ("3.6",)
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """Whether this kernel can run here: an sm_90 GPU and a Triton release in GLUON_VERSIONS."""
-    if common.INTERPRET or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability()[0] != 9:
-        return False
-    return ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS
-
-
-if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
+if gluon_common.GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -91,7 +52,8 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_common import column_chunks, descriptor
 
     @gluon.jit
     def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
@@ -186,7 +148,7 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
             # by TMA stores.
             mbarrier.wait(epi_turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
             mbarrier.wait(epi_ready, seq & 1)
-            chunks = _column_chunks(acc, EPI_SPLIT)
+            chunks = column_chunks(acc, EPI_SPLIT)
             d_rw_part = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
             for c in gl.static_range(EPI_SPLIT):  # the row partials are added in column order
                 gate_c = _chunk(gate_bufs, c, EPI_N)
@@ -220,35 +182,6 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
                                        next_m * BLOCK_M, next_n * BLOCK_N)
             mbarrier.arrive(epi_turn.index(1 - CONSUMER))
             seq += 2
-
-    @gluon.jit
-    def _halves(tile):
-        """(tile[:, :N // 2], tile[:, N // 2:]): a register renaming in the wgmma layout."""
-        BLOCK_M: gl.constexpr = tile.shape[0]
-        BLOCK_N: gl.constexpr = tile.shape[1]
-        return gl.split(tile.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute((0, 2, 1)))
-
-    @gluon.jit
-    def _column_chunks(tile, SPLIT: gl.constexpr):
-        """The tile as a tuple of SPLIT (1, 2, 4 or 8) column chunks, left to right."""
-        if SPLIT == 1:
-            return (tile,)
-        elif SPLIT == 2:
-            return _halves(tile)
-        elif SPLIT == 4:
-            left, right = _halves(tile)
-            c0, c1 = _halves(left)
-            c2, c3 = _halves(right)
-            return (c0, c1, c2, c3)
-        else:
-            left, right = _halves(tile)
-            q0, q1 = _halves(left)
-            q2, q3 = _halves(right)
-            c0, c1 = _halves(q0)
-            c2, c3 = _halves(q1)
-            c4, c5 = _halves(q2)
-            c6, c7 = _halves(q3)
-            return (c0, c1, c2, c3, c4, c5, c6, c7)
 
     @gluon.jit
     def _pingpong_kernel(a_desc, w_desc, gate_desc, up_desc, dg_desc, du_desc, hw_desc, tile_expert_ptr,
@@ -304,44 +237,17 @@ if ".".join(triton.__version__.split(".")[:2]) in GLUON_VERSIONS:
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_layout(shape: tuple):
-    return gl.NVMMASharedLayout.get_default_for(list(shape), gl.bfloat16)
-
-
-def _descriptor(t: torch.Tensor, block: list):
-    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block)))
-
-
-# Tile order of the dgrad (common.tile_coords): GROUP_M M-tiles sweep the N-tiles together. H200, 2026-11-29,
-# sustained load, two sweeps of two interleaved rounds (BENCHMARKS.md, ninth session), ms for GROUP_M 8 -> 4:
-# qwen3-30b-a3b 0.936 / 0.935 -> 0.934 / 0.916, qwen3.5-397b 0.844 / 0.839 -> 0.835 / 0.838, kimi-k2
-# 1.761 / 1.750 -> 1.724 / 1.721 (16 and 64 slower; the Triton stages keep 8: 4 moves them by -0.7% to +3%).
-DGRAD_GROUP_M = 4
-
 # maxnreg 168 x 12 warps fills the register file; setmaxnreg then gives the consumers 232 each, the loader 40
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
-def takes(schedule: Schedule, *tensors: torch.Tensor, k: int | None = None, block_k: int = 64,
-          split_at: int | None = None) -> bool:
-    """Whether the kernel takes these operands: bf16, TMA-addressable (16-byte aligned rows and bases), whole
-    128-row tiles, K a whole number of K-tiles where the weights are [E, K, N], and split_at (the column where
-    gate_up is cut into its gate and up views) 16-byte aligned."""
-    if not available() or schedule.block_m % 128:
-        return False
-    for t in tensors:
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or (t.shape[-1] * 2) % 16 or t.data_ptr() % 16:
-            return False
-    if split_at is not None and (split_at * 2) % 16:
-        return False
-    return k is None or k % block_k == 0
-
-
 def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit,
-                               *, block_n=128, block_k=64, stages=4, epi_split=8):
-    """grouped_gemm.down_dgrad_swiglu's GEMM on the ping-pong kernel: (d_gate_up [R, 2I], h_weighted [R, I],
-    d_rw row partials [R, ceil(I / block_n)] fp32); the caller sums the partials."""
+                               config: GluonConfig, *, block_n: int = 128, block_k: int = 64):
+    """The down dgrad + SwiGLU backward on the ping-pong engine, 128 x block_n tiles.
+
+    d_y_rows bf16 [R, H]; w_down bf16 [E, H, I]; gate_up bf16 [num_packed, 2I] (packed); router_weights
+    fp32 [N * k] (by source). Returns d_gate_up bf16 [R, 2I], h_weighted bf16 [R, I] and the router-weight
+    gradient's row partials fp32 [R, ceil(I / block_n)] (the caller sums them)."""
     num_experts, hidden, inter = w_down.shape
     num_rows, block_m = schedule.capacity, 128
     num_n_tiles = triton.cdiv(inter, block_n)
@@ -352,11 +258,11 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(d_y_rows.device.index), max_tiles))
     _pingpong_kernel[(num_programs,)](
-        _descriptor(d_y_rows, [block_m, block_k]),
-        _descriptor(w_down.view(num_experts * hidden, inter), [block_k, block_n]),
-        *(_descriptor(t, [block_m, block_n // 2]) for t in views), schedule.tile_expert, schedule.expert_offsets,
+        descriptor(d_y_rows, [block_m, block_k]),
+        descriptor(w_down.view(num_experts * hidden, inter), [block_k, block_n]),
+        *(descriptor(t, [block_m, block_n // 2]) for t in views), schedule.tile_expert, schedule.expert_offsets,
         schedule.num_experts, schedule.block_m, inter, hidden, schedule.row_source, packed_index(schedule),
         router_weights, d_rw_partial, float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=epi_split, GROUP_M=DGRAD_GROUP_M, STAGES=stages,
+        HAS_LIMIT=swiglu_limit is not None, EPI_SPLIT=config.epi_split, GROUP_M=config.group_m, STAGES=config.stages,
         NUM_PROGRAMS=num_programs, BLOCK_N=block_n, CONSUMER_REGS=232, LOADER_REGS=40, **_LAUNCH)
     return d_gate_up, h_weighted, d_rw_partial

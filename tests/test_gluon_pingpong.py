@@ -1,20 +1,27 @@
-"""serval.kernels.warp_specialized (Gluon ping-pong GEMM) against serval.kernels.grouped_gemm, on the H200:
-bit for bit over the rows that hold a (token, slot) (the router-weight gradient, summed in another order,
-within 1e-5), and run to run (outputs NaN-poisoned, conftest).
+"""The ping-pong engine (serval.kernels.gluon_pingpong: the down dgrad + SwiGLU backward) against the Triton GEMM,
+on the H200: bit for bit over the rows that hold a (token, slot) (the router-weight gradient, summed in another
+order, within 1e-5), and run to run (outputs NaN-poisoned, conftest).
 
-Gluon has no CPU interpreter: these tests skip wherever the kernel is not available (no sm_90 GPU,
-another Triton release). The Triton kernel they compare with is itself checked against the torch
-stages and the fp64 reference (test_kernels_gemm.py), on CPU and GPU.
+Gluon has no CPU interpreter: these tests skip wherever the engine is not available (no sm_90 GPU, another
+Triton release; tests/test_gluon_compile.py compiles it for sm_90 without a GPU). The Triton GEMM they compare
+with is itself checked against the torch stages and the fp64 reference (test_kernels_gemm.py).
 """
+import dataclasses
+
 import pytest
 import torch
 from conftest import GLUON_CASES, cuda_topk
 
-from serval.kernels import grouped_gemm, warp_specialized
+import serval
+from serval.kernels import common, gemm_stages, gluon_common
+from serval.plan import KernelPlan, choose_plan
 from serval.schedule import build_schedule
 
-pytestmark = pytest.mark.skipif(not warp_specialized.available(),
-                                reason="needs an sm_90 GPU and a Triton release the Gluon kernel was written for")
+pytestmark = pytest.mark.skipif(not gluon_common.available(),
+                                reason="needs an sm_90 GPU and a Triton release the Gluon engines were written for")
+
+TRITON = KernelPlan()
+PINGPONG = dataclasses.replace(TRITON, down_dgrad_engine="pingpong")
 
 
 def case(num_tokens, top_k, num_experts, hidden, inter, skew=False, seed=0):
@@ -34,9 +41,9 @@ def test_down_dgrad_swiglu_bitwise(name, limit):
     c = case(**GLUON_CASES[name])
     used = c["schedule"].row_source >= 0
     args = (c["d_y_rows"], c["w_down"], c["gate_up"], c["router_weights"], c["schedule"], limit)
-    got = grouped_gemm.down_dgrad_swiglu(*args, warp_specialized=True)
-    ref = grouped_gemm.down_dgrad_swiglu(*args, warp_specialized=False)
-    again = grouped_gemm.down_dgrad_swiglu(*args, warp_specialized=True)
+    got = gemm_stages.down_dgrad_swiglu(*args, plan=PINGPONG)
+    ref = gemm_stages.down_dgrad_swiglu(*args, plan=TRITON)
+    again = gemm_stages.down_dgrad_swiglu(*args, plan=PINGPONG)
     for a, b, a2 in zip(got[:2], ref[:2], again[:2]):  # d_gate_up, h_weighted: the same operations
         assert torch.equal(a[used], b[used]) and torch.equal(a[used], a2[used])
     # d_rw: its row sums run in another register layout (another order), deterministic
@@ -45,21 +52,16 @@ def test_down_dgrad_swiglu_bitwise(name, limit):
     assert ((d_rw - d_rw_ref).norm() / d_rw_ref.norm()).item() < 1e-5
 
 
-def test_layer_routes_dgrad_to_it(monkeypatch):
-    """serval.moe runs its dgrad on this kernel by default: gradients as with the Triton kernel (bitwise but
-    the router weights'), no host sync, and a CUDA-graph replay equal to the eager step."""
+def test_layer_on_it():
+    """serval.moe with the chosen plan runs its dgrad on this engine: gradients as with the Triton GEMM (bitwise
+    but the router weights'), no host sync, and a CUDA-graph replay equal to the eager step."""
     from conftest import check_sync_free_and_graph_replay, cuda_layer_step
 
     step = cuda_layer_step()
-    monkeypatch.setattr(grouped_gemm, "WARP_SPECIALIZED", False)
-    triton_only = step()
-    monkeypatch.setattr(grouped_gemm, "WARP_SPECIALIZED", True)
-    calls = []
-    kernel = warp_specialized.down_dgrad_swiglu_partials
-    monkeypatch.setattr(warp_specialized, "down_dgrad_swiglu_partials",
-                        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs))
+    plan = choose_plan(256, torch.bfloat16, common.target())
+    assert plan.down_dgrad_engine == "pingpong"
+    triton_only = step(serval.Config(kernel_plan=dataclasses.replace(plan, down_dgrad_engine="triton")))
     eager = step()
-    assert calls, "the layer did not run the dgrad on the ping-pong kernel"
     for i, (a, b) in enumerate(zip(eager, triton_only)):
         if i == 2:  # d_router_weights: row sums in another order
             assert ((a - b).float().norm() / b.float().norm()).item() < 1e-5

@@ -1,0 +1,88 @@
+"""The layer's four expert GEMM stages on the kernels: each runs the engine its `KernelPlan` names, where that
+engine takes the operands, else the Triton GEMM (`triton_gemm`), which takes every operand. Engines agree
+bit for bit, so the choice changes speed only.
+
+Signatures and numerics are those of `serval.stages` (the torch-op contract), plus `plan` and the expert-
+parallel hooks: `pull_from` (the gate/up GEMM pulls its own rows, `in_gemm_pull`) and `push_to` (down and
+the gate/up dgrad store their rows into the owners' slots, `triton_gemm` PUSH). Shapes: N tokens, k slots,
+H hidden, I intermediate, E experts, R rows (the schedule's capacity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..peers import PeerSlots, PeerTokens
+from ..plan import KernelPlan
+from ..schedule import Schedule
+from . import common, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
+from .rows import gather as gather_rows
+
+
+def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *, plan: KernelPlan,
+                   a_rows: torch.Tensor | None = None, pull_from: PeerTokens | None = None,
+                   pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Gate/up GEMM + SwiGLU of x's rows: gate_up [num_packed, 2I] (packed rows), h [R, I].
+
+    x [N, H]; w_gate, w_up [E, I, H]. a_rows [R, H]: the rows already gathered or pulled; without them the
+    stage gathers x's rows itself (on the cooperative engine, its loader does). pull_from: at EP, the owners'
+    token buffers, which plan.pull_programs of the GEMM's programs pull the rows from while the others
+    compute, with `pull_flags` (`in_gemm_pull.new_flags`, kept by the workspace); x is then not read.
+    """
+    hidden = w_gate.shape[2]
+    if pull_from is not None:
+        if a_rows is not None or pull_flags is None or pull_from.cols != hidden or pull_from.dtype != x.dtype:
+            raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns (x: "
+                             f"[{hidden}] {x.dtype}), pull_flags, and no a_rows")
+        a_rows = common.empty((schedule.capacity, hidden), x.dtype, x.device)
+        pull = in_gemm_pull.Pull(pull_from, max(plan.pull_programs, 1), plan.pull_block_c, *pull_flags)
+        return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, plan.gate_up_tiles,
+                                          plan.use_tma, pull=pull)
+    if a_rows is None:
+        if plan.gate_up_engine == "cooperative" and gluon_common.takes(schedule, x, w_gate, w_up):
+            return gluon_cooperative.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, plan.cooperative_gather,
+                                                    gather=True)
+        a_rows = gather_rows(x, schedule)
+    return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, plan.gate_up_tiles,
+                                      plan.use_tma)
+
+
+def down(h, w_down, schedule: Schedule, *, plan: KernelPlan, push_to: PeerSlots | None = None):
+    """Down GEMM: h [R, I], w_down [E, H, I] -> o [R, H] = h @ w_down[e].T; with push_to, row r goes to its
+    owner's slot row_source[r] instead and nothing is returned."""
+    if push_to is None and plan.down_engine == "cooperative" and gluon_common.takes(schedule, h, w_down):
+        return gluon_cooperative.down(h, w_down, schedule, plan.cooperative_store)
+    return triton_gemm.down(h, w_down, schedule, plan.down_tiles, plan.use_tma, push_to=push_to)
+
+
+def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None,
+                      *, plan: KernelPlan):
+    """d_h = rw * (d_y_row @ w_down[e]), the SwiGLU backward and the router-weight gradient, in one GEMM.
+
+    d_y_rows [R, H]; w_down [E, H, I]; gate_up [num_packed, 2I] packed, as gate_up_swiglu returns it;
+    router_weights [N, k] (the group's [P*N, k] at EP). Returns d_gate_up [R, 2I], h_weighted = rw * h
+    [R, I] and d_rw_rows fp32 [R]."""
+    inter = w_down.shape[2]
+    if gate_up.shape != (schedule.num_packed, 2 * inter):
+        raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
+                         f"(schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
+    router_weights = router_weights.contiguous().view(-1).float()
+    if plan.down_dgrad_engine == "pingpong" and gluon_common.takes(schedule, d_y_rows, w_down, gate_up,
+                                                                   k=w_down.shape[1], split_at=inter):
+        d_gate_up, h_weighted, d_rw_partial = gluon_pingpong.down_dgrad_swiglu_partials(
+            d_y_rows.contiguous(), w_down, gate_up, router_weights, schedule, swiglu_limit, plan.pingpong)
+    else:
+        d_gate_up, h_weighted, d_rw_partial = triton_gemm.down_dgrad_swiglu_partials(
+            d_y_rows, w_down, gate_up, router_weights, schedule, swiglu_limit, plan.down_dgrad_tiles, plan.use_tma)
+    return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule)
+
+
+def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, plan: KernelPlan,
+                  push_to: PeerSlots | None = None):
+    """Gate/up dgrad: d_x_rows [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e], one accumulation over K = 2I;
+    with push_to, pushed into the owners' slots instead (as down)."""
+    if (push_to is None and plan.gate_up_dgrad_engine == "cooperative"
+            and gluon_common.takes(schedule, d_gate_up, w_gate, w_up, k=w_gate.shape[1])):
+        return gluon_cooperative.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule, plan.cooperative_store)
+    return triton_gemm.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule, plan.gate_up_dgrad_tiles, plan.use_tma,
+                                     push_to=push_to)

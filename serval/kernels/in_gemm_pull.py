@@ -1,0 +1,87 @@
+"""The dispatch inside a GEMM: communication programs that pull the GEMM's A rows from the owners' token
+buffers while the other programs compute, M-tile by M-tile.
+
+At expert parallelism the gate/up GEMM (`triton_gemm`, PULL_PROGRAMS > 0) gives its first
+`KernelPlan.pull_programs` programs to the pull. Each pulls M-tile after M-tile (in the order the compute
+programs take them) into the [R, K] A buffer and publishes it with a flag (a proxy fence first, since the
+compute programs read the rows with TMA, the async proxy; then a release store). A compute program waits
+for its tile's flag (acquire) before its K loop, so the pull runs under the GEMM instead of before it.
+
+Flags hold the call's epoch (a device counter bumped before each launch), so they are never reset and a
+CUDA graph can replay the launch. Every wait is bounded: past about 10 s the program prints the tile and
+traps (the CUDA context is lost, as when a transport barrier times out): an error, never a hang. Every
+program is resident at once (one per SM) and the pull programs have the lowest ids, so no wait blocks a
+program that the awaited one needs. Under the interpreter programs run in id order, so the pull programs
+finish before any compute program starts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import peers
+from ..peers import PeerTokens
+
+
+class Pull(NamedTuple):
+    """What the GEMM needs to pull its own rows: where the owners' tokens are, how many programs pull and
+    how many columns a step, and the flags (int32 [>= M-tiles]) and epoch (int32 [1]) of `new_flags`."""
+
+    source: PeerTokens
+    programs: int
+    block_c: int
+    flags: torch.Tensor
+    epoch: torch.Tensor
+
+
+def new_flags(num_m_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flags int32 [num_m_tiles], epoch int32 [1]), zeros: allocate once per workspace, before any CUDA graph
+    capture, and reuse (the flags only ever hold past epochs)."""
+    return (torch.zeros(max(num_m_tiles, 1), dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
+@triton.jit
+def pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, num_m_tiles, slots_per_rank, top_k, K,
+               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PULL_PROGRAMS: tl.constexpr, ALIGNED: tl.constexpr,
+               PROXY_FENCE: tl.constexpr):
+    """A communication program: M-tiles p, p + PULL_PROGRAMS, ... of A pulled from the owners' token buffers
+    (zeros on padding rows), each published with flag = epoch once all its rows are stored."""
+    for m_tile in range(tl.program_id(0), num_m_tiles, PULL_PROGRAMS):
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        source = tl.load(row_source_ptr + rows).to(tl.int64)
+        valid = source >= 0
+        peer = peers.peer_rows(table_ptr, tl.where(valid, source, 0), valid, slots_per_rank, K, top_k,
+                               True, ALIGNED, a_ptr.dtype.element_ty)
+        for c0 in range(0, K, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            values = tl.load(peer[:, None] + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
+            tl.store(a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :], values, mask=(cols < K)[None, :])
+        if PROXY_FENCE:  # the compute programs read these rows with TMA (the async proxy): order them for it
+            tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()  # every thread's stores are done before the flag's release
+        tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
+
+
+# spins of about a microsecond each: a wait gives up after ~10 s
+MAX_SPINS = tl.constexpr(1 << 23)
+
+
+@triton.jit
+def wait_for_rows(flag_ptr, epoch, m_tile):
+    """Wait (bounded) until a communication program has published M-tile m_tile of this call.
+
+    The int32 atomic_add of 0 is an acquire load of the flag (Triton compiles it to ld.acquire.gpu), not an
+    accumulation: no floating-point value is ever summed atomically."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < epoch) & (spins < MAX_SPINS):
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < epoch:
+        tl.device_print("serval: timed out waiting for the pulled rows of M-tile ", m_tile)
+        tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)

@@ -1,0 +1,156 @@
+"""`KernelPlan`: which engine and which tiles run each GEMM stage of the layer, as one frozen value.
+
+A plan is chosen by `choose_plan`, a pure function of the problem (hidden size, dtype) and of where it
+runs (`Target`: device capability, Triton release, interpreter), and is passed down to every kernel
+call; nothing in serval reads a module-level switch. A test or a benchmark that wants another variant
+builds its own plan (`dataclasses.replace(choose_plan(...), ...)`) and passes it as
+`Config(kernel_plan=...)` or to the stage functions directly.
+
+A plan changes speed, never results: every engine computes each output element with the same
+K order and rounding, so any plan gives the bits of any other (`tests/test_kernels_*` check it).
+
+Engines (one module each in `serval/kernels/`):
+* "triton": `triton_gemm`, the persistent Triton grouped GEMM; runs every stage, on every device
+  (and under the CPU interpreter); the fallback wherever another engine does not take the operands.
+* "cooperative": `gluon_cooperative`, a warp-specialised Gluon GEMM on cooperative 128 x 256 tiles
+  (sm_90, Triton 3.6): down and the gate/up dgrad; for gate/up + SwiGLU, its loader gathers x's rows
+  itself (EP=1, no gather pass).
+* "pingpong": `gluon_pingpong`, a warp-specialised Gluon GEMM whose two consumer warp groups take
+  alternate tiles (sm_90, Triton 3.6): the down dgrad, its SwiGLU-backward epilogue beside the MMAs.
+
+This module imports neither Triton nor the kernels, so `serval.Config` can hold a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+# The Triton releases whose Gluon API the Gluon engines are written and checked against.
+GLUON_VERSIONS = ("3.6",)
+
+STAGES = ("gate_up_swiglu", "down", "down_dgrad_swiglu", "gate_up_dgrad")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of the Triton grouped GEMM (block_n is per accumulator)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8  # GROUP_M M-tiles sweep the N-tiles together: concurrent SMs share weight tiles in L2
+    num_warps: int = 8
+    num_stages: int = 3
+    flatten: bool = True  # let the pipeliner overlap one tile's epilogue with the next tile's loads
+    epi_split: int = 1  # the epilogue in column chunks of block_n // epi_split (1, 2 or 4): fewer live registers
+    epi_tma_stores: bool = True  # the epilogue's row-aligned stores by TMA (else pointer stores)
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """One launch configuration of a Gluon engine (its tile shape is the engine's own)."""
+
+    stages: int  # depth of the shared-memory ring of (A, W) K-tiles
+    epi_split: int  # the epilogue in this many column chunks
+    group_m: int  # tile order, as TileConfig.group_m
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the kernels run: what `choose_plan` needs to know about it."""
+
+    capability: tuple[int, int] | None  # CUDA compute capability; None: no GPU (the interpreter)
+    triton_version: str  # "major.minor"
+    interpret: bool  # TRITON_INTERPRET=1: kernels run on the CPU
+
+    @property
+    def gluon(self) -> bool:
+        """Whether the Gluon engines run here: an sm_90 GPU and a Triton release in GLUON_VERSIONS."""
+        return (not self.interpret and self.capability is not None and self.capability[0] == 9
+                and self.triton_version in GLUON_VERSIONS)
+
+    @property
+    def tma(self) -> bool:
+        return not self.interpret and self.capability is not None and self.capability[0] >= 9
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """The engine and tiles of each GEMM stage, and the in-GEMM dispatch (see the module docstring).
+
+    gate_up_engine "cooperative" applies where the stage gathers x's rows itself (EP=1); rows that were
+    pulled first (EP) run on the Triton GEMM. `*_tiles` configure the Triton GEMM, used wherever the stage
+    runs there (its engine, or the fallback). `use_tma`: the Triton GEMM reads and writes through TMA
+    descriptors where the operands allow it (else pointer loads and stores).
+    `pull_programs` > 0: at expert parallelism the gate/up GEMM's first `pull_programs` programs pull its
+    rows from the owners' token buffers, `pull_block_c` columns a step, while the others compute
+    (`serval.kernels.in_gemm_pull`); 0: the transport's pull kernel runs before the GEMM.
+    """
+
+    gate_up_engine: Literal["triton", "cooperative"] = "triton"
+    down_engine: Literal["triton", "cooperative"] = "triton"
+    down_dgrad_engine: Literal["triton", "pingpong"] = "triton"
+    gate_up_dgrad_engine: Literal["triton", "cooperative"] = "triton"
+    gate_up_tiles: TileConfig = TileConfig(128, 128, 64, flatten=False, epi_tma_stores=False)
+    down_tiles: TileConfig = TileConfig(128, 256, 64, epi_split=2)
+    down_dgrad_tiles: TileConfig = TileConfig(128, 128, 64, num_stages=4, epi_split=4, epi_tma_stores=False)
+    gate_up_dgrad_tiles: TileConfig = TileConfig(128, 256, 64, flatten=False)
+    cooperative_gather: GluonConfig = GluonConfig(stages=3, epi_split=4, group_m=8)
+    cooperative_store: GluonConfig = GluonConfig(stages=4, epi_split=4, group_m=8)
+    pingpong: GluonConfig = GluonConfig(stages=4, epi_split=8, group_m=4)
+    use_tma: bool = True
+    pull_programs: int = 0
+    pull_block_c: int = 256
+
+    def __post_init__(self):
+        engines = {"gate_up_engine": ("triton", "cooperative"), "down_engine": ("triton", "cooperative"),
+                   "down_dgrad_engine": ("triton", "pingpong"), "gate_up_dgrad_engine": ("triton", "cooperative")}
+        for name, allowed in engines.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"KernelPlan.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.pull_programs, int) or self.pull_programs < 0:
+            raise ValueError(f"KernelPlan.pull_programs must be an int >= 0, got {self.pull_programs!r}")
+
+    def tiles(self, stage: str) -> TileConfig:
+        """The Triton GEMM's tiles for one of STAGES."""
+        return {"gate_up_swiglu": self.gate_up_tiles, "down": self.down_tiles,
+                "down_dgrad_swiglu": self.down_dgrad_tiles, "gate_up_dgrad": self.gate_up_dgrad_tiles}[stage]
+
+
+# Hopper, bf16 (the tiles: Triton's persistent TMA GEMM at 128 x 256 x 64, 8 warps, 3 stages reaches cuBLAS
+# there; gate/up holds two accumulators (gate, up), so 128 x 128 each; the dgrad's SwiGLU-backward epilogue
+# needs 4 column chunks to fit its registers). KernelPlan's defaults are these tiles.
+_HOPPER = KernelPlan()
+
+# fp32 operands on the GPU: exact fp32 dots on the FMA units, for checks, not speed; small tiles compile
+# without spills.
+_FP32_TILES = TileConfig(32, 64, 16, num_warps=4, num_stages=2, flatten=False)
+
+# The CPU interpreter: small tiles, so that tests on tiny shapes cross partial N and K tiles.
+_INTERPRET_TILES = TileConfig(32, 32, 32, group_m=2)
+
+# gate/up + SwiGLU on the cooperative engine (its loader gathering x) up to this hidden size; above it the
+# separate gather pass + Triton GEMM is the faster pair (the gathering loader's cost grows with K).
+COOPERATIVE_GATE_UP_MAX_HIDDEN = 4096
+
+
+def choose_plan(hidden: int, dtype: torch.dtype, target: Target) -> KernelPlan:
+    """The plan for a layer of hidden size `hidden` in `dtype` on `target`: a pure function, no timing
+    (a choice made by timing could change between runs; the plan may not change results, but it is
+    fixed anyway so that runs are reproducible in speed as well)."""
+    if target.interpret:
+        return dataclasses.replace(
+            _HOPPER, use_tma=False, gate_up_tiles=_INTERPRET_TILES, down_tiles=_INTERPRET_TILES,
+            down_dgrad_tiles=dataclasses.replace(_INTERPRET_TILES, epi_split=2), gate_up_dgrad_tiles=_INTERPRET_TILES)
+    if dtype == torch.float32:
+        return dataclasses.replace(_HOPPER, use_tma=target.tma, gate_up_tiles=_FP32_TILES, down_tiles=_FP32_TILES,
+                                   down_dgrad_tiles=_FP32_TILES, gate_up_dgrad_tiles=_FP32_TILES)
+    plan = dataclasses.replace(_HOPPER, use_tma=target.tma)
+    if target.gluon and dtype == torch.bfloat16:
+        plan = dataclasses.replace(
+            plan, down_engine="cooperative", gate_up_dgrad_engine="cooperative", down_dgrad_engine="pingpong",
+            gate_up_engine="cooperative" if hidden <= COOPERATIVE_GATE_UP_MAX_HIDDEN else "triton")
+    return plan
