@@ -41,6 +41,7 @@ Configs come from a fixed table (`pick_config`), never from timing.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 import triton
@@ -73,13 +74,13 @@ class WgradConfig:
 # TMA GEMM reaches cuBLAS there; the others are alternatives a benchmark can name. All compile for sm_90 with
 # Triton 3.6 without spills (shared memory: 213 KB for 128x256 / 3 stages, 229 KB for 4 stages with the split
 # epilogue, of 227 KiB).
-CONFIGS = {
+CONFIGS = types.MappingProxyType({
     "128x256": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
     "128x256-nested": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=False),
     "128x256s": WgradConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True),
     "256x128": WgradConfig(256, 128, 64, num_warps=8, num_stages=3, flatten=True),
     "128x128": WgradConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
-}
+})
 
 
 def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
