@@ -42,7 +42,7 @@ def train(args, device, dtype) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def demo(args) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     print(f"serval {serval.__version__} demo on {device} ({dtype}): distil a random teacher MoE into a student "
           f"(H={args.hidden}, I={args.inter}, E={args.experts}, top-{args.top_k}, shared expert, "
@@ -60,22 +60,91 @@ def demo(args) -> int:
     return 0 if same_losses and same_weights else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serval", description=__doc__,
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    """'cpu', 'cuda' or 'cuda:<index>', available on this machine."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:<index>, got {text!r}") from None
+    if device.type == "cpu" and device.index is None:
+        return "cpu"
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:<index>, got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is available here (use --device cpu)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return str(device)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (what to change) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m serval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="train a small MoE block twice; check bitwise-identical runs")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--inter", type=int, default=128)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--version", action="version", version=f"serval {serval.__version__}",
+                        help="print the version of serval and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to run")
+    p = sub.add_parser("demo", help="train a small MoE block twice; check bitwise-identical runs",
+                       description="Train a small MoE block twice (distilling a random teacher) and check that "
+                                   "the two runs give bitwise-identical losses and weights.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where to train: cpu, cuda or cuda:<index> (bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--steps", type=_positive_int, default=120, help="optimizer steps per run")
+    p.add_argument("--tokens", type=_positive_int, default=256, help="tokens per step")
+    p.add_argument("--hidden", type=_positive_int, default=64, help="hidden size H")
+    p.add_argument("--inter", type=_positive_int, default=128,
+                   help="intermediate size I of each expert (and of the shared expert)")
+    p.add_argument("--experts", type=_positive_int, default=8, help="number of routed experts E")
+    p.add_argument("--top-k", type=_positive_int, default=2, help="experts per token k (at most --experts)")
+    p.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the student's weights and the data")
+    p.add_argument("--log-every", type=_positive_int, default=20, help="print the loss every this many steps")
+    p.set_defaults(subparser=p)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.top_k > args.experts:
+        args.subparser.error(f"argument --top-k: must be at most --experts ({args.experts}), got {args.top_k}")
     return demo(args)
 
 

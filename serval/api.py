@@ -4,21 +4,32 @@ The layer is two custom ops, `serval::moe_forward` and `serval::moe_backward`,
 joined by `register_autograd`; each has a fake (meta) implementation, so
 `torch.compile(fullgraph=True)` traces through the layer and CUDA graphs can
 capture it (no op inside synchronises with the host: every shape comes from the
-inputs' shapes and the schedule's fixed capacity).
+inputs' shapes and the schedule's fixed capacity). The ops carry the `Config` and
+the EP workspace as ints (`config_id`, `workspace_id`) that index module-level
+registries, since a custom op takes only tensors and plain scalars.
 
-Validation happens in two places:
+Validation happens in three places:
 * `validate_inputs` (Python, before the op): shapes, dtypes, devices,
-  contiguity, k vs E, swiglu_limit. Metadata only, so it never syncs and also runs
-  while tracing.
-* the expert-id range (a value check) inside the op: on CPU a host check with a
-  clear ValueError; on CUDA a device-side assertion (`torch._assert_async`,
-  no host sync; a bad id then fails the next synchronising CUDA call), or, with
-  `Config(debug=True)`, a host check that synchronises and raises a ValueError.
+  contiguity, k vs E, swiglu_limit; every message names the argument. Metadata
+  only, so it never syncs and also runs while tracing.
+* the expert-id range (a value check), inside the op: on CPU, or with
+  `Config(debug=True)` (a host sync), a ValueError at once. On CUDA without debug
+  there is no sync: out-of-range ids are clamped (nothing is read or written out of
+  bounds), that step's y, d_x and expert weight gradients become NaN (its router
+  weights are poisoned), a device flag is counted and copied, non_blocking, into
+  pinned host memory, and a later call, once the GPU has run that step, raises
+  `ValueError: topk_ids must hold expert ids in [0, E) ... in an earlier step`.
+  The CUDA context stays usable. At EP=1 the flags are per device (`ErrorFlags`,
+  allocated by the first call on that device: run once before capturing a CUDA
+  graph); at EP they are the workspace's, and the check covers the ids of every
+  rank, so all ranks poison and raise together.
 * EP capacity overflow (the routing sent one rank more rows than its capacity), inside
-  the op: on CPU or with `debug`, a ValueError at once; on CUDA, without a sync, y,
-  d_x and the experts' weight gradients of that step become NaN (the router weights are
-  poisoned; rows past the capacity are dropped, never written out of bounds) and a later call, once the GPU
-  has run that step, raises the ValueError (`Workspace.check_overflow`).
+  the op, the same way: on CPU or with `debug`, a ValueError at once; on CUDA, without a
+  sync, y, d_x and the experts' weight gradients of that step become NaN (rows past the
+  capacity are dropped, never written out of bounds) and a later call raises the
+  ValueError (`Workspace.check_overflow`).
+A CUDA graph replay runs no Python: errors of replayed steps are reported by the next
+call that runs eagerly.
 """
 
 from __future__ import annotations
@@ -29,7 +40,8 @@ import torch
 from torch import Tensor
 
 from . import functional
-from .config import Config
+from .config import Config, check_precision_built
+from .functional import ErrorFlags
 from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -37,85 +49,178 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 # ---------------------------------------------------------------- validation
 
-def _check_tensor(name, t, ndim, dtypes, device=None):
+def _check_tensor(name, t, layout, dtypes, device=None, dtype_note=""):
+    """t is a contiguous tensor of len(layout) dims, one of `dtypes`, on `device`."""
     if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    ndim = layout.count(",") + 1
     if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {expected}{dtype_note}, got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device} (the device of x), got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous())")
 
 
-def _check_shape(name, t, expected):
+def _check_shape(name, t, expected, note=""):
     if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+        raise ValueError(f"{name} must have shape {tuple(expected)}{note}, got {tuple(t.shape)}")
 
 
 def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit, ep_size=1):
-    """Check everything about the inputs that their metadata can tell (no host sync)."""
-    _check_tensor("x", x, 2, FLOAT_DTYPES)
+    """Check everything about the inputs that their metadata can tell (no host sync).
+
+    Sizes are taken from x (N, H), topk_ids (k) and w_gate (E_local, I); every other
+    argument is checked against them, and each message names the argument that was passed.
+    """
+    _check_tensor("x", x, "[N, H]", FLOAT_DTYPES)
     num_tokens, hidden = x.shape
     if num_tokens == 0:
-        raise ValueError("x must hold at least one token, got shape (0, H)")
-    rw_dtypes = (torch.float64,) if x.dtype == torch.float64 else (torch.float32,)
-    _check_tensor("router_weights", router_weights, 2, rw_dtypes, x.device)
-    _check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64), x.device)
-    top_k = router_weights.shape[1]
-    _check_shape("router_weights", router_weights, (num_tokens, top_k))
-    _check_shape("topk_ids", topk_ids, (num_tokens, top_k))
-    _check_tensor("w_gate", w_gate, 3, (x.dtype,), x.device)
-    num_experts, inter, _ = w_gate.shape
-    _check_shape("w_gate", w_gate, (num_experts, inter, hidden))
-    _check_tensor("w_up", w_up, 3, (x.dtype,), x.device)
-    _check_shape("w_up", w_up, (num_experts, inter, hidden))
-    _check_tensor("w_down", w_down, 3, (x.dtype,), x.device)
-    _check_shape("w_down", w_down, (num_experts, hidden, inter))
-    if not 1 <= top_k <= num_experts * ep_size:
-        raise ValueError(f"top-k (router_weights.shape[1] = {top_k}) must be in [1, E = {num_experts * ep_size}]")
+        raise ValueError(f"x must hold at least one token (x.shape[0] >= 1), got shape {tuple(x.shape)}")
+    if hidden == 0:
+        raise ValueError(f"x must have a hidden size H >= 1 (x.shape[1]), got shape {tuple(x.shape)}")
+    dtype_of_x = " (the dtype of x)"
+    rw_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    _check_tensor("router_weights", router_weights, "[N, k]", (rw_dtype,), x.device,
+                  " (router weights are float32, float64 when x is float64)")
+    _check_tensor("topk_ids", topk_ids, "[N, k]", (torch.int32, torch.int64), x.device)
+    for name, t in (("router_weights", router_weights), ("topk_ids", topk_ids)):
+        if t.shape[0] != num_tokens:
+            raise ValueError(f"{name} must have one row per token of x (N = x.shape[0] = {num_tokens}), "
+                             f"got shape {tuple(t.shape)}")
+    if router_weights.shape != topk_ids.shape:
+        raise ValueError(f"router_weights and topk_ids must have the same shape [N, k], got router_weights "
+                         f"{tuple(router_weights.shape)} and topk_ids {tuple(topk_ids.shape)}")
+    top_k = topk_ids.shape[1]
+    _check_tensor("w_gate", w_gate, "[E_local, I, H]", (x.dtype,), x.device, dtype_of_x)
+    num_experts, inter, weight_hidden = w_gate.shape
+    if num_experts == 0:
+        raise ValueError(f"w_gate must hold at least one expert (w_gate.shape[0] >= 1), got shape "
+                         f"{tuple(w_gate.shape)}")
     if inter == 0:
-        raise ValueError("w_gate must have a non-empty intermediate dimension I")
+        raise ValueError(f"w_gate must have an intermediate size I >= 1 (w_gate.shape[1]), got shape "
+                         f"{tuple(w_gate.shape)}")
+    if weight_hidden != hidden:
+        raise ValueError(f"x must have the experts' hidden size H = {weight_hidden} (w_gate.shape[2]) as "
+                         f"x.shape[1], got x of shape {tuple(x.shape)}")
+    _check_tensor("w_up", w_up, "[E_local, I, H]", (x.dtype,), x.device, dtype_of_x)
+    _check_shape("w_up", w_up, w_gate.shape, " (the shape of w_gate, [E_local, I, H])")
+    _check_tensor("w_down", w_down, "[E_local, H, I]", (x.dtype,), x.device, dtype_of_x)
+    _check_shape("w_down", w_down, (num_experts, hidden, inter), " ([E_local, H, I], from w_gate)")
+    total_experts = num_experts * ep_size
+    if not 1 <= top_k <= total_experts:
+        where = "w_gate.shape[0]" + (f" * EP group size {ep_size}" if ep_size > 1 else "")
+        raise ValueError(f"top-k (topk_ids.shape[1] = {top_k}) must be in [1, E = {total_experts}] "
+                         f"(E = {where})")
     if shared is not None:
         if not isinstance(shared, (tuple, list)) or len(shared) != 3:
-            raise TypeError("shared must be None or a tuple (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is])")
+            raise TypeError("shared must be None or a tuple of 3 tensors (ws_gate [Is, H], ws_up [Is, H], "
+                            f"ws_down [H, Is]), got {type(shared).__name__}"
+                            + (f" of length {len(shared)}" if isinstance(shared, (tuple, list)) else ""))
         ws_gate, ws_up, ws_down = shared
-        _check_tensor("shared[0] (ws_gate)", ws_gate, 2, (x.dtype,), x.device)
+        _check_tensor("shared[0] (ws_gate)", ws_gate, "[Is, H]", (x.dtype,), x.device, dtype_of_x)
         shared_inter = ws_gate.shape[0]
-        _check_shape("shared[0] (ws_gate)", ws_gate, (shared_inter, hidden))
-        _check_tensor("shared[1] (ws_up)", ws_up, 2, (x.dtype,), x.device)
-        _check_shape("shared[1] (ws_up)", ws_up, (shared_inter, hidden))
-        _check_tensor("shared[2] (ws_down)", ws_down, 2, (x.dtype,), x.device)
-        _check_shape("shared[2] (ws_down)", ws_down, (hidden, shared_inter))
-    if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and 0 < swiglu_limit < float("inf")):
+        if shared_inter == 0:
+            raise ValueError(f"shared[0] (ws_gate) must have an intermediate size Is >= 1 (ws_gate.shape[0]), "
+                             f"got shape {tuple(ws_gate.shape)}")
+        _check_shape("shared[0] (ws_gate)", ws_gate, (shared_inter, hidden), " ([Is, H], H = x.shape[1])")
+        _check_tensor("shared[1] (ws_up)", ws_up, "[Is, H]", (x.dtype,), x.device, dtype_of_x)
+        _check_shape("shared[1] (ws_up)", ws_up, (shared_inter, hidden), " (the shape of ws_gate, [Is, H])")
+        _check_tensor("shared[2] (ws_down)", ws_down, "[H, Is]", (x.dtype,), x.device, dtype_of_x)
+        _check_shape("shared[2] (ws_down)", ws_down, (hidden, shared_inter), " ([H, Is], from x and ws_gate)")
+    if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
+                                     or not 0 < swiglu_limit < float("inf")):
         raise ValueError(f"swiglu_limit must be None or a positive finite float, got {swiglu_limit!r}")
 
 
-def _check_on_device(ok: Tensor, message: str, debug: bool) -> None:
-    """A value check: a ValueError on CPU or in debug mode (a host sync), else a device-side assert."""
-    if ok.device.type == "cpu" or debug:
-        if not bool(ok):
-            raise ValueError(message)
-    else:
-        torch._assert_async(ok, f"serval.moe: {message}")
+# ---------------------------------------------------------------- expert ids
+
+def _checks_on_host(device: torch.device, debug: bool) -> bool:
+    """Whether value checks may read device values on the host: everywhere but on CUDA (where it
+    would sync), and on CUDA with Config(debug=True)."""
+    return device.type != "cuda" or debug
 
 
-def check_expert_ids(topk_ids: Tensor, num_experts: int, debug: bool) -> None:
-    """topk_ids must hold expert ids in [0, num_experts)."""
-    in_range = ((topk_ids >= 0) & (topk_ids < num_experts)).all()
-    _check_on_device(in_range, f"topk_ids must hold expert ids in [0, {num_experts})", debug)
+_ERROR_FLAGS: dict[torch.device, ErrorFlags] = {}  # EP=1: one per device, made by its first deferring call
+
+
+def _error_flags(device: torch.device) -> ErrorFlags:
+    if device not in _ERROR_FLAGS:
+        _ERROR_FLAGS[device] = ErrorFlags(device)
+    return _ERROR_FLAGS[device]
+
+
+def _expert_ids_error(num_experts: int, ep_size: int, earlier: bool) -> ValueError:
+    where = "" if ep_size == 1 else " (on at least one rank of the EP group)"
+    if earlier:
+        return ValueError(
+            f"serval.moe: topk_ids must hold expert ids in [0, E) (E: the layer's number of experts), but ids "
+            f"outside were passed{where} in an earlier step; that step's y, d_x and expert weight gradients are "
+            "NaN (Config(debug=True) raises in the call itself, at the cost of a host sync)")
+    return ValueError(f"serval.moe: topk_ids must hold expert ids in [0, {num_experts}){where}")
+
+
+def _report_earlier_errors(flags: ErrorFlags | None, ep_size: int) -> None:
+    """ValueError if a step that ran without a host check passed out-of-range expert ids."""
+    if flags is not None and flags.pending(ErrorFlags.EXPERT_IDS):
+        raise _expert_ids_error(0, ep_size, earlier=True)
+
+
+def _out_of_range(topk_ids: Tensor, num_experts: int) -> Tensor:
+    """Device bool: some id is outside [0, num_experts)."""
+    return ((topk_ids < 0) | (topk_ids >= num_experts)).any()
+
+
+def _clamp_ids(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(ids clamped into [0, num_experts), device bool: some id was outside): the schedule then indexes in bounds."""
+    clamped = topk_ids.clamp(0, num_experts - 1)
+    return clamped, (clamped != topk_ids).any()
+
+
+def check_expert_ids(topk_ids: Tensor, num_experts: int, ep_size: int = 1) -> None:
+    """ValueError unless topk_ids holds expert ids in [0, num_experts) (a host check: syncs on CUDA)."""
+    if bool(_out_of_range(topk_ids, num_experts)):
+        raise _expert_ids_error(num_experts, ep_size, earlier=False)
 
 
 # ---------------------------------------------------------------- custom ops
 
-def _config(block_m, recompute, backend, debug) -> Config:
-    return Config(block_m=block_m, recompute=recompute, backend=backend, debug=debug)
+# Config -> id and back: a custom op takes plain scalars, so the ops carry an interned Config as an int
+# (each distinct Config is registered once and lives as long as the process, like a compiled kernel)
+_CONFIG_IDS: dict[Config, int] = {}
+_CONFIGS: list[Config] = []
+
+
+def config_id(config: Config) -> int:
+    """The id of `config` in the registry the custom ops read (registered on first use)."""
+    ident = _CONFIG_IDS.get(config)
+    if ident is None:
+        ident = _CONFIG_IDS[config] = len(_CONFIGS)
+        _CONFIGS.append(config)
+    return ident
+
+
+def config_by_id(ident: int) -> Config:
+    return _CONFIGS[ident]
+
+
+def _workspace(workspace_id: int):
+    return None if workspace_id < 0 else functional.workspace_by_id(workspace_id)
 
 
 def _shared(ws_gate, ws_up, ws_down):
     return None if ws_gate is None else (ws_gate, ws_up, ws_down)
+
+
+def _kept_router_weight_rows(workspace, num_tokens: int, device: torch.device, config: Config) -> int:
+    """Rows of the router weights the forward op returns for backward: the group's [P*N, k] at EP; at
+    EP=1 without host checks, the step's (possibly NaN-poisoned) [N, k]; else none."""
+    if workspace is not None:
+        return workspace.ep_size * num_tokens
+    return 0 if _checks_on_host(device, config.debug) else num_tokens
 
 
 _EMPTY = (0,)
@@ -124,40 +229,56 @@ _EMPTY = (0,)
 @torch.library.custom_op("serval::moe_forward", mutates_args=())
 def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Tensor, w_up: Tensor,
                  w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
-                 swiglu_limit: Optional[float], block_m: int, recompute: bool, backend: str, debug: bool,
-                 workspace_id: int,
+                 swiglu_limit: Optional[float], config_id: int, workspace_id: int,
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns y, the five schedule tensors, the kept pre-activations (empty when recomputed) and,
-    at EP, the group's router weights (else empty)."""
-    config = _config(block_m, recompute, backend, debug)
+    """Returns y, the five schedule tensors, the kept pre-activations (empty when recomputed) and
+    the router weights the rows use in backward (`_kept_router_weight_rows`; else empty)."""
+    config = config_by_id(config_id)
     workspace = _workspace(workspace_id)
     shared = _shared(ws_gate, ws_up, ws_down)
+    on_host = _checks_on_host(x.device, config.debug)
+    kept_router_weights = None
     if workspace is None:
-        check_expert_ids(topk_ids, w_gate.shape[0], debug)
-        schedule, all_router_weights = build_schedule(topk_ids, w_gate.shape[0], block_m), None
+        num_experts = w_gate.shape[0]
+        _report_earlier_errors(_ERROR_FLAGS.get(x.device), 1)
+        if on_host:
+            check_expert_ids(topk_ids, num_experts)
+        else:  # no sync: clamp, poison this step, report in a later call
+            topk_ids, bad_ids = _clamp_ids(topk_ids, num_experts)
+            _error_flags(x.device).record(ErrorFlags.EXPERT_IDS, bad_ids)
+            router_weights = kept_router_weights = router_weights.masked_fill(bad_ids, float("nan"))
+        schedule = build_schedule(topk_ids, num_experts, config.block_m)
     else:
         workspace.check_overflow()
-        check_expert_ids(topk_ids, workspace.num_experts, debug)
-        schedule, all_router_weights, overflow = functional.build_ep_schedule(topk_ids, router_weights, workspace)
-        if x.device.type == "cpu" or debug:  # a host check costs nothing on CPU; debug accepts the sync
+        _report_earlier_errors(workspace.errors, workspace.ep_size)
+        # the group's ids are checked, so that every rank stops (or poisons) together
+        all_ids, kept_router_weights = functional.gather_routing(topk_ids, router_weights, workspace)
+        if on_host:
+            check_expert_ids(all_ids, workspace.num_experts, workspace.ep_size)
+        else:
+            all_ids, bad_ids = _clamp_ids(all_ids, workspace.num_experts)
+        schedule, overflow = functional.ep_schedule(all_ids, workspace)
+        if on_host:  # a host check costs nothing on CPU; debug accepts the sync
             workspace.check_overflow(overflow)
         else:  # no sync: this step's y, d_x, weight gradients become NaN; a later call raises
             workspace.record_overflow(overflow)
-            router_weights = router_weights.masked_fill(overflow, float("nan"))
-            all_router_weights = all_router_weights.masked_fill(overflow, float("nan"))
+            workspace.errors.record(ErrorFlags.EXPERT_IDS, bad_ids)
+            poisoned = overflow | bad_ids
+            router_weights = router_weights.masked_fill(poisoned, float("nan"))
+            kept_router_weights = kept_router_weights.masked_fill(poisoned, float("nan"))
     y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down, shared, config=config,
-                                swiglu_limit=swiglu_limit, workspace=workspace, all_router_weights=all_router_weights)
-    kept = [t if t is not None else x.new_empty(_EMPTY) for t in (ctx.gate_up, ctx.shared_gate_up, all_router_weights)]
+                                swiglu_limit=swiglu_limit, workspace=workspace,
+                                all_router_weights=kept_router_weights if workspace is not None else None)
+    kept = [t if t is not None else x.new_empty(_EMPTY)
+            for t in (ctx.gate_up, ctx.shared_gate_up, kept_router_weights)]
     return (y, *schedule.tensors(), *kept)
 
 
-def _workspace(workspace_id: int):
-    return None if workspace_id < 0 else functional.workspace_by_id(workspace_id)
-
-
 @_moe_forward.register_fake
-def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, block_m,
-      recompute, backend, debug, workspace_id):
+def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, config_id,
+      workspace_id):
+    config = config_by_id(config_id)
+    block_m = config.block_m
     num_tokens, top_k = topk_ids.shape
     num_experts, inter, _ = w_gate.shape
     workspace = _workspace(workspace_id)
@@ -167,32 +288,36 @@ def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
     schedule = (x.new_empty(num_experts, **i32), x.new_empty(num_experts + 1, **i32), x.new_empty(capacity, **i32),
                 x.new_empty(ep_size * num_tokens, top_k, **i32), x.new_empty(capacity // block_m, **i32))
     # the kept pre-activations are packed: Schedule.num_packed rows
+    recompute = config.recompute
     gate_up = x.new_empty(_EMPTY) if recompute else x.new_empty(min(capacity, ep_size * num_tokens * top_k), 2 * inter)
     shared_gate_up = x.new_empty(_EMPTY)
     if ws_gate is not None and not recompute:
         shared_gate_up = x.new_empty(num_tokens, 2 * ws_gate.shape[0])
-    all_router_weights = router_weights.new_empty(ep_size * num_tokens, top_k) if workspace else x.new_empty(_EMPTY)
-    return (torch.empty_like(x), *schedule, gate_up, shared_gate_up, all_router_weights)
+    rows = _kept_router_weight_rows(workspace, num_tokens, x.device, config)
+    kept_router_weights = router_weights.new_empty(rows, top_k) if rows else x.new_empty(_EMPTY)
+    return (torch.empty_like(x), *schedule, gate_up, shared_gate_up, kept_router_weights)
 
 
 @torch.library.custom_op("serval::moe_backward", mutates_args=())
 def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                   ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                   tokens_per_expert: Tensor, expert_offsets: Tensor, row_source: Tensor, source_row: Tensor,
-                  tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, all_router_weights: Tensor,
-                  swiglu_limit: Optional[float], block_m: int, recompute: bool, backend: str, debug: bool,
-                  workspace_id: int,
+                  tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, kept_router_weights: Tensor,
+                  swiglu_limit: Optional[float], config_id: int, workspace_id: int,
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, and the shared expert's (empty if none)."""
-    config = _config(block_m, recompute, backend, debug)
+    config = config_by_id(config_id)
+    recompute = config.recompute
     workspace = _workspace(workspace_id)
     schedule = Schedule(tokens_per_expert, expert_offsets, row_source, source_row, tile_expert,
-                        num_experts=w_gate.shape[0], block_m=block_m)
+                        num_experts=w_gate.shape[0], block_m=config.block_m)
     shared = _shared(ws_gate, ws_up, ws_down)
-    shared_schedule = None if shared is None else dense_schedule(x.shape[0], block_m, x.device)
+    shared_schedule = None if shared is None else dense_schedule(x.shape[0], config.block_m, x.device)
+    if workspace is None and kept_router_weights.numel():  # EP=1 without host checks: the step's poisoned copy
+        router_weights = kept_router_weights
     ctx = functional.ForwardContext(schedule, shared_schedule, None if recompute else gate_up,
                                     None if recompute or shared is None else shared_gate_up, swiglu_limit,
-                                    all_router_weights if workspace else None)
+                                    kept_router_weights if workspace else None)
     grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down, shared, config=config,
                                 workspace=workspace)
     shared_grads = grads.shared or tuple(x.new_empty(_EMPTY) for _ in range(3))
@@ -211,7 +336,7 @@ _FORWARD_TENSOR_INPUTS = 9  # x, router_weights, topk_ids, w_gate, w_up, w_down,
 
 def _setup_context(ctx, inputs, output):
     x, router_weights, _, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = inputs[:_FORWARD_TENSOR_INPUTS]
-    ctx.options = inputs[_FORWARD_TENSOR_INPUTS:]  # swiglu_limit, block_m, recompute, backend, debug, workspace
+    ctx.options = inputs[_FORWARD_TENSOR_INPUTS:]  # swiglu_limit, config_id, workspace_id
     ctx.has_shared = ws_gate is not None
     ctx.save_for_backward(x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *output[1:])
     # only y has a gradient: autograd must not fill zero gradients for the kept tensors (270 MB on kimi-k2)
@@ -236,20 +361,24 @@ _moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group=None, config=None,
         swiglu_limit=None):
-    """The MoE layer of SPEC.md: y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+    """The MoE layer of docs/CONTRACT.md:
+    y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
-    x [N, H]; router_weights [N, k] fp32 (differentiable); topk_ids [N, k] int (global expert ids);
-    w_gate, w_up [E_local, I, H], w_down [E_local, H, I] (nn.Linear layout); shared = (ws_gate [Is, H],
-    ws_up [Is, H], ws_down [H, Is]) or None; group: the expert-parallel process group (None: EP=1);
-    config: `serval.Config`; swiglu_limit: clamp of the routed experts' gate (max) and up (+-limit).
+    x [N, H]; router_weights [N, k] fp32 (fp64 when x is fp64; differentiable); topk_ids [N, k] int
+    (global expert ids in [0, E)); w_gate, w_up [E_local, I, H], w_down [E_local, H, I] (nn.Linear
+    layout); shared = (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is]) or None; group: the
+    expert-parallel process group (None: EP=1); config: `serval.Config`; swiglu_limit: before SwiGLU,
+    the gate clamped to max=limit and up to [-limit, limit], in the routed experts and the shared
+    expert alike.
     Returns y [N, H] in x's dtype; differentiable in x, router_weights and every weight; bitwise
-    deterministic; no host-device synchronisation.
+    deterministic; no host-device synchronisation. Bad input: a TypeError/ValueError naming the
+    argument; expert ids out of range: see the module docstring (on CUDA, a NaN step and a
+    ValueError in a later call, unless Config(debug=True)).
     """
-    config = config or Config()
+    config = Config() if config is None else config
     if not isinstance(config, Config):
         raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
-    if config.precision != "bf16":
-        raise NotImplementedError(f"serval.moe: precision={config.precision!r} is not built yet; use 'bf16'")
+    check_precision_built(config, "serval.moe")
     ep_size = 1 if group is None else group.size()
     validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit, ep_size)
     workspace_id = -1
@@ -260,6 +389,5 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     ws_gate, ws_up, ws_down = shared if shared is not None else (None, None, None)
     limit = None if swiglu_limit is None else float(swiglu_limit)
     outputs = torch.ops.serval.moe_forward(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up,
-                                           ws_down, limit, config.block_m, config.recompute, config.backend,
-                                           config.debug, workspace_id)
+                                           ws_down, limit, config_id(config), workspace_id)
     return outputs[0]

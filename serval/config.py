@@ -8,9 +8,13 @@ determinism contract: the same Config gives bitwise-identical results.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-PRECISIONS = ("bf16", "mxfp8")
+from .plan import KernelPlan
+
+PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise")
+BUILT_PRECISIONS = ("bf16",)
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -18,20 +22,28 @@ BACKENDS = ("auto", "triton", "torch")
 class Config:
     """How the MoE layer runs.
 
-    precision: "bf16" (built) or "mxfp8" (accepted here; the layer raises until its kernels exist).
+    precision: "bf16" (built), "mxfp8" or "fp8_blockwise" (accepted here so that configs can name them;
+        serval.moe and serval.functional raise NotImplementedError until their kernels exist).
     backend: "auto" picks the Triton kernels on CUDA and the torch-op path elsewhere;
-        "triton" / "torch" force one (the Triton kernels also run under TRITON_INTERPRET=1 on CPU).
+        "triton" / "torch" force one (on CPU the Triton kernels run only under TRITON_INTERPRET=1, whose
+        interpreter needs numpy, which the `test` extra installs).
     block_m: rows per expert segment alignment = the M tile of every grouped GEMM.
     recompute: keep only the inputs for backward and recompute the gate/up GEMM there.
-    comm_sms_forward / comm_sms_backward, minibatch_size (rows per compute/communication overlap step, a
-        multiple of block_m), macrobatch_size (tokens per macrobatch, None: the whole batch): for the fused
-        persistent EP kernel, validated and not read yet (the communication programs that exist, inside the
-        gate/up GEMM, are set by `serval.kernels.grouped_gemm.PULL_PROGRAMS`).
+    comm_sms_forward / comm_sms_backward (SMs given to communication), minibatch_size (rows per
+        compute/communication overlap step, a multiple of block_m), macrobatch_size (tokens per macrobatch,
+        None: the whole batch): knobs of the fused persistent EP kernel, which is not built: they are
+        validated, and nothing reads them today.
     capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
-    debug: run host-side value checks (expert id range) that synchronise with the device.
+    kernel_plan: the engine and tiles of every GEMM stage on the kernel backend (`serval.plan.KernelPlan`);
+        None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, never results.
+    debug: check the expert ids at once on CUDA too, with a host sync: a ValueError in the call that
+        passed them, instead of NaN outputs for that step and a ValueError in a later call.
+
+    Frozen and hashable: the layer's custom ops carry a Config as an interned id (`serval.api`), so
+    every field must be hashable.
     """
 
-    precision: Literal["bf16", "mxfp8"] = "bf16"
+    precision: Literal["bf16", "mxfp8", "fp8_blockwise"] = "bf16"
     backend: Literal["auto", "triton", "torch"] = "auto"
     block_m: int = 128
     recompute: bool = False
@@ -41,23 +53,42 @@ class Config:
     macrobatch_size: int | None = None
     capacity_multiplier: float = 2.0
     debug: bool = False
+    kernel_plan: KernelPlan | None = None
 
     def __post_init__(self):
+        if self.kernel_plan is not None and not isinstance(self.kernel_plan, KernelPlan):
+            raise TypeError(f"Config.kernel_plan must be None or a serval.plan.KernelPlan, got "
+                            f"{type(self.kernel_plan).__name__}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Config.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.block_m, int) or self.block_m not in (16, 32, 64, 128, 256):
+        if not _is_int(self.block_m) or self.block_m not in (16, 32, 64, 128, 256):
             raise ValueError(f"Config.block_m must be one of 16, 32, 64, 128, 256, got {self.block_m!r}")
+        for name in ("recompute", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("comm_sms_forward", "comm_sms_backward"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value <= 128:
+            if not _is_int(value) or not 0 <= value <= 128:
                 raise ValueError(f"Config.{name} must be an int in [0, 128], got {value!r}")
-        if not isinstance(self.minibatch_size, int) or self.minibatch_size <= 0 or self.minibatch_size % self.block_m:
+        if not _is_int(self.minibatch_size) or self.minibatch_size <= 0 or self.minibatch_size % self.block_m:
             raise ValueError(
                 f"Config.minibatch_size must be a positive multiple of block_m={self.block_m}, got {self.minibatch_size!r}"
             )
-        if self.macrobatch_size is not None and (not isinstance(self.macrobatch_size, int) or self.macrobatch_size <= 0):
+        if self.macrobatch_size is not None and (not _is_int(self.macrobatch_size) or self.macrobatch_size <= 0):
             raise ValueError(f"Config.macrobatch_size must be None or a positive int, got {self.macrobatch_size!r}")
-        if not isinstance(self.capacity_multiplier, (int, float)) or not self.capacity_multiplier >= 1.0:
-            raise ValueError(f"Config.capacity_multiplier must be a number >= 1.0, got {self.capacity_multiplier!r}")
+        multiplier = self.capacity_multiplier
+        if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not 1.0 <= multiplier < math.inf:
+            raise ValueError(f"Config.capacity_multiplier must be a finite number >= 1.0, got {multiplier!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_precision_built(config: Config, caller: str) -> None:
+    """NotImplementedError unless `config.precision` is one whose kernels exist."""
+    if config.precision not in BUILT_PRECISIONS:
+        raise NotImplementedError(f"{caller}: Config.precision={config.precision!r} is not built yet (only "
+                                  f"{', '.join(map(repr, BUILT_PRECISIONS))} runs); use Config(precision='bf16')")

@@ -32,18 +32,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from . import stages
-from .config import Config
+from .config import Config, check_precision_built
 from .schedule import (Schedule, build_schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
                        slot_schedule)
 
 __all__ = [
-    "Workspace", "get_workspace", "create_workspace", "workspace_by_id", "build_schedule", "build_ep_schedule",
+    "Workspace", "ErrorFlags", "get_workspace", "create_workspace", "workspace_by_id", "build_schedule",
+    "build_ep_schedule", "gather_routing", "ep_schedule",
     "dense_schedule", "ForwardContext", "Grads", "forward", "backward", "recompute_forward_context",
     "select_backend",
 ]
@@ -55,6 +56,45 @@ _WORKSPACES: dict[int, "Workspace"] = {}
 _workspace_ids = itertools.count()
 
 
+class ErrorFlags:
+    """Errors found on the device by steps that must not sync, reported by a later call.
+
+    A step that finds an error (expert ids out of range, a rank's capacity overflowed) adds its
+    device-side flag to a per-kind counter on the device and copies the counters, non_blocking,
+    into pinned host memory; `pending` reads that host copy (no sync) and says whether steps the
+    GPU has finished since the last report had an error. Counters, not sticky bits, so that once
+    an error is reported the next good step runs (no reset that could race an in-flight copy).
+    On a CPU device the copies are plain (synchronous) ones; the logic is the same.
+    """
+
+    CAPACITY, EXPERT_IDS = 0, 1
+
+    def __init__(self, device):
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"serval.moe: the error flags of {device} are allocated by the first call on that device, "
+                "which is inside a CUDA graph capture here: run the layer once (eagerly) before capturing")
+        self.device = device
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.reported = [0, 0]
+
+    def record(self, kind: int, flag: torch.Tensor) -> None:
+        """Count a step's device bool `flag` under `kind` (no sync); a later `pending(kind)` sees it."""
+        self.counts[kind].add_(flag.to(torch.int64))
+        self.host.copy_(self.counts, non_blocking=True)
+
+    def pending(self, kind: int) -> bool:
+        """Whether a step the GPU has finished flagged `kind` since the last time this returned True
+        (reads pinned host memory: no sync; a step still in flight is seen by a later call)."""
+        seen = int(self.host[kind])
+        if seen > self.reported[kind]:
+            self.reported[kind] = seen
+            return True
+        return False
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Workspace:
     """Everything sized once from the problem, never from the routing.
@@ -63,6 +103,10 @@ class Workspace:
     at EP, `Config.capacity_multiplier` times the balanced load plus padding).
     transport: at EP, the peer buffers and the protocol that moves rows (`serval.transport`);
     created collectively, which is why a workspace is created once and cached.
+    errors: at EP, the flags of errors that steps found without a host sync (`ErrorFlags`).
+    pull_flags: at EP, the per-M-tile flags (int32, one per 16 rows of capacity: enough for any tile height)
+    and the epoch counter (int32 [1]) of a gate/up GEMM that pulls its own rows (`KernelPlan.pull_programs`,
+    `serval.kernels.in_gemm_pull`); allocated here, before any CUDA graph capture, and never reset.
     """
 
     num_tokens: int
@@ -77,25 +121,22 @@ class Workspace:
     ep_size: int = 1
     transport: object = None
     id: int = -1
-    # EP on CUDA: capacity overflow seen by any step, kept on the device and mirrored (asynchronously)
-    # into pinned host memory, so that a later call can raise without a host-device sync
-    overflow_device: torch.Tensor | None = None
-    overflow_host: torch.Tensor | None = None
+    errors: ErrorFlags | None = None
+    pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def record_overflow(self, overflow: torch.Tensor) -> None:
         """Remember a step's device-side overflow flag (no sync); `check_overflow` reports it later."""
-        torch.maximum(self.overflow_device, overflow.to(torch.int32), out=self.overflow_device)
-        self.overflow_host.copy_(self.overflow_device, non_blocking=True)
+        self.errors.record(ErrorFlags.CAPACITY, overflow)
 
     def check_overflow(self, overflow: torch.Tensor | None = None) -> None:
         """ValueError if `overflow` (a host check: a sync on CUDA) or a step that the GPU has finished
-        overflowed a rank's capacity (reads pinned host memory: no sync; a step still in flight is
+        since the last report overflowed a rank's capacity (no sync; a step still in flight is
         reported by a later call)."""
         if overflow is not None:
             late = ""
             if not bool(overflow):
                 return
-        elif self.overflow_host is not None and int(self.overflow_host[0]):
+        elif self.errors is not None and self.errors.pending(ErrorFlags.CAPACITY):
             late = " in an earlier step (its y, d_x and expert weight gradients are NaN)"
         else:
             return
@@ -103,13 +144,40 @@ class Workspace:
                          f"{self.capacity_rows} rows{late}: raise Config.capacity_multiplier")
 
 
+_PROBLEM_FIELDS = ("num_tokens (x.shape[0])", "top_k (topk_ids.shape[1])", "hidden (x.shape[1])",
+                   "num_experts (w_gate.shape[0] * group size)")
+
+
+def _check_same_problem(group, problem: tuple[int, ...], device: torch.device) -> None:
+    """ValueError on every rank of `group` unless every rank passed the same problem sizes.
+
+    One all-gather of a small int64 tensor (gloo or NCCL; a host sync, once per workspace), so
+    that ranks that disagree fail together with a clear error instead of mismatching the
+    collectives that follow (which aborts gloo processes and hangs NCCL ones)."""
+    tensor_device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
+        tensor_device = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(problem, dtype=torch.int64, device=tensor_device)
+    every = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(every, mine, group=group)
+    every = [tuple(t.tolist()) for t in every]
+    differ = [f"{name}: {[p[i] for p in every]}" for i, name in enumerate(_PROBLEM_FIELDS)
+              if len({p[i] for p in every}) > 1]
+    if differ:
+        raise ValueError("serval.moe: every rank of the EP group must pass the same problem sizes, but they "
+                         "differ across the ranks (by rank): " + "; ".join(differ))
+
+
 def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *, device=None,
                      config: Config | None = None, group=None) -> Workspace:
     """A new workspace for N tokens per rank, k slots, hidden size H and E experts in all
-    (collective over `group` when it has more than one rank; see `get_workspace` for the cached one)."""
+    (collective over `group` when it has more than one rank: the ranks first check that they all
+    passed the same sizes, a ValueError on every rank otherwise; see `get_workspace` for the cached one)."""
     config = config or Config()
     device = torch.device(device or "cpu")
     ep_size = 1 if group is None else group.size()
+    if ep_size > 1:
+        _check_same_problem(group, (num_tokens, top_k, hidden, num_experts), device)
     if num_experts % ep_size:
         raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")
     experts_per_rank = num_experts // ep_size
@@ -128,12 +196,11 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
             transport = SharedMemoryTransport(group, num_tokens, top_k)
         capacity = ep_capacity_rows(num_tokens, top_k, ep_size, experts_per_rank, config.block_m,
                                     config.capacity_multiplier)
-        flags = {}
-        if device.type == "cuda":
-            flags = dict(overflow_device=torch.zeros(1, dtype=torch.int32, device=device),
-                         overflow_host=torch.zeros(1, dtype=torch.int32, pin_memory=True))
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device, capacity,
-                       rank=transport.rank, ep_size=ep_size, transport=transport, id=ident, **flags)
+                       rank=transport.rank, ep_size=ep_size, transport=transport, id=ident,
+                       errors=ErrorFlags(device),
+                       pull_flags=(torch.zeros(capacity // 16 + 1, dtype=torch.int32, device=device),
+                                   torch.zeros(1, dtype=torch.int32, device=device)))
     _WORKSPACES[ident] = ws
     return ws
 
@@ -155,6 +222,19 @@ def workspace_by_id(ident: int) -> Workspace:
     return _WORKSPACES[ident]
 
 
+def gather_routing(topk_ids: torch.Tensor, router_weights: torch.Tensor, workspace: Workspace):
+    """The group's routing at EP: (topk_ids [P*N, k], router_weights [P*N, k]), all-gathered in rank order."""
+    transport = workspace.transport
+    return transport.all_gather(topk_ids), transport.all_gather(router_weights)
+
+
+def ep_schedule(all_ids: torch.Tensor, workspace: Workspace):
+    """This rank's schedule from the group's expert ids [P*N, k] (in [0, E)): (schedule, overflow)
+    (see `build_ep_schedule`)."""
+    group_schedule = build_schedule(all_ids, workspace.num_experts, workspace.block_m)
+    return local_schedule(group_schedule, workspace.rank, workspace.experts_per_rank, workspace.capacity_rows)
+
+
 def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, workspace: Workspace):
     """This rank's schedule at EP: all-gather the group's routing, build the schedule of the whole
     group (identical on every rank) and keep this rank's experts' rows.
@@ -162,22 +242,19 @@ def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, work
     Returns (schedule, the group's router weights [P*N, k], overflow: device bool, True when this
     rank's rows exceeded the workspace's capacity; see `schedule.local_schedule`).
     """
-    transport = workspace.transport
-    all_ids = transport.all_gather(topk_ids)
-    all_router_weights = transport.all_gather(router_weights)
-    group_schedule = build_schedule(all_ids, workspace.num_experts, workspace.block_m)
-    schedule, overflow = local_schedule(group_schedule, workspace.rank, workspace.experts_per_rank,
-                                        workspace.capacity_rows)
+    all_ids, all_router_weights = gather_routing(topk_ids, router_weights, workspace)
+    schedule, overflow = ep_schedule(all_ids, workspace)
     return schedule, all_router_weights, overflow
 
 
 # ---------------------------------------------------------------- passes
 
-def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None) -> ModuleType:
-    """The stage implementations for this call: Triton kernels or torch ops (see Config.backend).
+def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None):
+    """The stage implementations for this call: the torch-op stages (`serval.stages`) or the kernels
+    (`serval.kernels.KernelStages`, run as `config.kernel_plan` says, or the plan chosen for x).
 
-    "auto" takes the kernels for bf16 on CUDA when every feature dimension (H, I, Is) is a multiple
-    of 8, i.e. 16-byte rows; other shapes take the torch stages (see `serval.kernels.supports`).
+    Config.backend "auto" takes the kernels for bf16 on CUDA when every feature dimension (H, I, Is) is a
+    multiple of 8, i.e. 16-byte rows; other shapes take the torch stages (see `serval.kernels.supports`).
     """
     if config.backend == "torch":
         return stages
@@ -186,8 +263,9 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
     dims = (x.shape[1], w_gate.shape[1]) + (() if shared is None else (shared[0].shape[0],))
     if config.backend == "triton":
         kernels.check_supported(x.device, dims)
-        return kernels
-    return kernels if x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims) else stages
+    elif not (x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims)):
+        return stages
+    return kernels.KernelStages(config.kernel_plan or kernels.plan_for(x))
 
 
 @dataclasses.dataclass
@@ -241,25 +319,27 @@ def _gemm_out(ops, gemm, cols: int, dtype, schedule: Schedule, transport):
     """`_rows_out` of the rows a stage GEMM makes, gemm(**push) -> [R, cols]: where the backend can, the
     GEMM's epilogue writes them straight into the owners' slots (`push_from`; the rows are never
     materialised), else they are made, then pushed."""
-    if transport is not None and ops.pushes_from_epilogue():
+    if transport is not None and ops.pushes_from_epilogue:
         slots = transport.push_from(lambda target: gemm(push_to=target), cols, dtype)
         return slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)
     return _rows_out(gemm(), schedule, transport)
 
 
-def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_limit, transport):
+def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_limit, workspace):
     """Pre-activations and h of the routed experts and of the shared expert. At EP the GEMM pulls its rows
     from the owners itself where the backend can (`pull_into`), else they are pulled first."""
-    if transport is not None and ops.pulls_in_gemm():
+    transport = _transport(workspace)
+    if transport is not None and ops.pulls_in_gemm:
         gate_up, h = transport.pull_into(
-            lambda source: ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, pull_from=source), x)
+            lambda source: ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, pull_from=source,
+                                              pull_flags=workspace.pull_flags), x)
     else:  # at EP=1 the stage gathers x's rows itself (a gather pass, or its GEMM's loader)
         x_rows = None if transport is None else transport.pull(x, schedule.row_source)
         gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, a_rows=x_rows)
     shared_gate_up = shared_h = None
     if shared is not None:
         ws_gate, ws_up, _ = _shared_weights(shared)
-        shared_gate_up, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, None)
+        shared_gate_up, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, swiglu_limit)
     return gate_up, h, shared_gate_up, shared_h
 
 
@@ -272,12 +352,13 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     At EP: `workspace` of the group, `schedule` and `all_router_weights` from `build_ep_schedule`.
     """
     config = config or Config()
+    check_precision_built(config, "serval.functional.forward")
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
     if shared is not None:
         shared_schedule = shared_schedule or dense_schedule(x.shape[0], schedule.block_m, x.device)
     gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
-                                                    swiglu_limit, transport)
+                                                    swiglu_limit, workspace)
     shared_out = None
     if shared is not None:
         shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
@@ -293,11 +374,12 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
                               config: Config | None = None, workspace: Workspace | None = None) -> ForwardContext:
     """Fill in the pre-activations a `Config(recompute=True)` forward did not keep."""
+    check_precision_built(config or Config(), "serval.functional.recompute_forward_context")
     if ctx.gate_up is not None:
         return ctx
     ops = select_backend(config or Config(), x, w_gate, shared)
     gate_up, _, shared_gate_up, _ = _gate_up(ops, x, w_gate, w_up, shared, ctx.schedule, ctx.shared_schedule,
-                                             ctx.swiglu_limit, _transport(workspace))
+                                             ctx.swiglu_limit, workspace)
     return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
 
 
@@ -329,6 +411,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
              config: Config | None = None, workspace: Workspace | None = None) -> Grads:
     """Gradients of the layer for output gradient d_y [N, H]; see `Grads`."""
     config = config or Config()
+    check_precision_built(config, "serval.functional.backward")
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
     ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace)
@@ -337,8 +420,8 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     if shared is not None:  # the shared expert: every local token once, rows = tokens, never moved
         ones = torch.ones(x.shape[0], 1, device=x.device, dtype=router_weights.dtype)
         shared_d_x, _, *shared_grads = _expert_backward(
-            ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared), None,
-            None)
+            ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared),
+            ctx.swiglu_limit, None)
         shared_grads = tuple(g[0] for g in shared_grads)
     row_router_weights = router_weights if transport is None else ctx.all_router_weights
     d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(

@@ -1,6 +1,7 @@
 """`serval.MoE`: a drop-in mixture-of-experts block (router, routed SwiGLU experts, optional shared expert).
 
-The router is a bias-free linear layer computed in fp32; scores are a softmax
+The router is a bias-free linear layer computed in fp32 (fp64 for an fp64 layer: the
+router weights the layer takes have that dtype); scores are a softmax
 over all experts (renormalised over the top-k by default off) or per-expert
 sigmoids (renormalised by default on, as in DeepSeek-V3-style routers). Ties in
 top-k are broken by torch.topk, which is deterministic for a given device.
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .api import moe
+from .api import FLOAT_DTYPES, moe
 from .config import Config
 
 
@@ -30,6 +31,22 @@ class MoE(nn.Module):
                  renormalize: bool | None = None, swiglu_limit: float | None = None,
                  config: Config | None = None, group=None, device=None, dtype=None):
         super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                            ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if shared_intermediate_size is not None and (isinstance(shared_intermediate_size, bool)
+                                                     or not isinstance(shared_intermediate_size, int)
+                                                     or shared_intermediate_size < 0):
+            raise ValueError(f"shared_intermediate_size must be None or an int >= 0 (0: no shared expert), "
+                             f"got {shared_intermediate_size!r}")
+        if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
+                                         or not 0 < swiglu_limit < float("inf")):
+            raise ValueError(f"swiglu_limit must be None or a positive finite float, got {swiglu_limit!r}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be None or one of {[str(d) for d in FLOAT_DTYPES]}, got {dtype}")
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
         if not 1 <= top_k <= num_experts:
@@ -67,8 +84,10 @@ class MoE(nn.Module):
                 linear.reset_parameters()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(router_weights [N, k] fp32, topk_ids [N, k]) for tokens x [N, H]."""
-        logits = F.linear(x.float(), self.router.weight.float())
+        """(router_weights [N, k], topk_ids [N, k]) for tokens x [N, H]; the weights are fp32 (fp64 when x is
+        fp64), as `serval.moe` takes them."""
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
         scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
         weights, ids = scores.topk(self.top_k, dim=-1)
         if self.renormalize:
@@ -76,6 +95,8 @@ class MoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y [..., hidden_size] for x [..., hidden_size] (the module's dtype and device)."""
+        self._check_input(x)
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size).contiguous()
         router_weights, topk_ids = self.route(tokens)
@@ -85,6 +106,20 @@ class MoE(nn.Module):
         y = moe(tokens, router_weights, topk_ids, self.w_gate, self.w_up, self.w_down, shared,
                 group=self.group, config=self.config, swiglu_limit=self.swiglu_limit)
         return y.view(shape)
+
+    def _check_input(self, x) -> None:
+        """x must be a tensor [..., hidden_size] of the parameters' dtype, on their device (else the layer's
+        checks would name its internal arguments, not x)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor [..., hidden_size], got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have last dimension hidden_size = {self.hidden_size}, got shape {tuple(x.shape)}")
+        weight = self.w_gate
+        if x.dtype != weight.dtype:
+            raise TypeError(f"x must have the dtype of the module's parameters ({weight.dtype}), got {x.dtype}: "
+                            f"convert x, or the module with .to({x.dtype})")
+        if x.device != weight.device:
+            raise ValueError(f"x must be on the device of the module's parameters ({weight.device}), got {x.device}")
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.w_gate.shape[1]}, "

@@ -1,4 +1,4 @@
-"""The numerics oracle: the SPEC semantics of the MoE layer in plain PyTorch.
+"""The numerics oracle: the semantics of the MoE layer (docs/CONTRACT.md) in plain PyTorch.
 
 Any device, any floating dtype (float64 included), differentiable by autograd.
 Written for clarity, not speed: every expert is applied to every token and the
@@ -31,7 +31,7 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     """y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
     EP=1 only (`group` must be None); `config` is accepted for signature parity and ignored.
-    The shared expert has no swiglu_limit (it is a plain BF16 MLP in SPEC).
+    swiglu_limit clamps the SwiGLU of the routed experts and of the shared expert alike.
     """
     if group is not None:
         raise ValueError("serval.reference.moe computes the EP=1 layer: pass group=None (concatenate the batch)")
@@ -42,5 +42,5 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
         weight_e = (router_weights * (topk_ids == e).to(router_weights.dtype)).sum(dim=1, keepdim=True)
         y = y + weight_e.to(x.dtype) * mlp(x, w_gate[e], w_up[e], w_down[e], swiglu_limit)
     if shared is not None:
-        y = y + mlp(x, *shared)
+        y = y + mlp(x, *shared, swiglu_limit=swiglu_limit)
     return y

@@ -25,16 +25,11 @@ import torch
 from .schedule import Schedule, packed_index, packed_rows
 
 
-def pushes_from_epilogue() -> bool:
-    """Whether down / gate_up_dgrad take `push_to` (write their rows into the EP owners' slots): torch
-    ops cannot write through peer addresses, so the layer pushes their rows after them."""
-    return False
-
-
-def pulls_in_gemm() -> bool:
-    """Whether gate_up_swiglu takes `pull_from` (reads its rows from the EP owners' buffers): not with
-    torch ops; the layer pulls the rows before it."""
-    return False
+# Whether down / gate_up_dgrad take `push_to` (write their rows into the EP owners' slots) and whether
+# gate_up_swiglu takes `pull_from` (reads its rows from the owners' buffers): torch ops cannot address peer
+# memory, so the layer pulls rows before these stages and pushes their rows after them.
+pushes_from_epilogue = False
+pulls_in_gemm = False
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -161,7 +156,8 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     d_gate = d_h * up * sig * (1 + gate * (1 - sig))
     d_up = d_h * silu
     if swiglu_limit is not None:
-        pre_gate, pre_up = gate_up.chunk(2, dim=-1)
+        # compared in the accumulator dtype, as the forward clamped (a bf16 compare would round the limit)
+        pre_gate, pre_up = gate_up.to(acc).chunk(2, dim=-1)
         d_gate = d_gate * (pre_gate <= swiglu_limit)
         d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit))
     d_gate_up = torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)

@@ -6,6 +6,7 @@ are BITWISE equal to the EP=1 layer on the concatenated batch (row order and red
 depend on P), that two runs are identical, and that a routing beyond the capacity is a clear error.
 """
 
+import dataclasses
 import datetime
 import os
 
@@ -18,6 +19,7 @@ import serval
 from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
 
 N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
+SWIGLU_LIMIT = 0.9
 
 
 def problem(world_size, kind, num_tokens, seed=0):
@@ -29,14 +31,11 @@ def problem(world_size, kind, num_tokens, seed=0):
 
 def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
     inputs = [t.detach().clone().requires_grad_() for t in (x, rw, *weights, *shared)]
-    y = serval.moe(inputs[0], inputs[1], ids, *inputs[2:5], tuple(inputs[5:]), swiglu_limit=0.9, **kwargs)
+    y = serval.moe(inputs[0], inputs[1], ids, *inputs[2:5], tuple(inputs[5:]), swiglu_limit=SWIGLU_LIMIT, **kwargs)
     return (y.detach(), *torch.autograd.grad(y, inputs, d_y))
 
 
 def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs):
-    from serval.kernels import grouped_gemm
-
-    grouped_gemm.PULL_PROGRAMS = pull_programs
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
@@ -52,7 +51,13 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         tokens = slice(rank * num_tokens, (rank + 1) * num_tokens)
         experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
         block_m = 128 if device == "cuda" else 16
-        config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier)
+        plan = None
+        if pull_programs:  # the gate/up GEMM pulls its own rows: a plan with pull programs (same results)
+            from serval import kernels
+
+            plan = dataclasses.replace(kernels.plan_for(x), pull_programs=pull_programs)
+        config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier,
+                               kernel_plan=plan)
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         if capacity_multiplier < world_size and kind == "skewed":
             if device == "cuda":  # no sync: the step is NaN, a later call raises
@@ -76,7 +81,8 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
             assert torch.equal(got, want[experts]), f"d_{name} differs from EP=1"
         # the shared expert is replicated: each rank's gradient is its own tokens' contribution
         shared_leaves = [w.detach().clone().requires_grad_() for w in shared]
-        own_shared = torch.autograd.grad(serval.reference.mlp(x[tokens], *shared_leaves), shared_leaves, d_y[tokens])
+        own_shared = torch.autograd.grad(serval.reference.mlp(x[tokens], *shared_leaves, swiglu_limit=SWIGLU_LIMIT),
+                                         shared_leaves, d_y[tokens])
         for got, want in zip(d_shared, own_shared):
             assert rel_err(got, want) < (2e-2 if device == "cuda" else 1e-5)
         dist.barrier()
@@ -84,9 +90,60 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         dist.destroy_process_group()
 
 
+def without_numpy_worker(rank, *args):
+    """`worker` where numpy is unusable, as after a plain `pip install -e .` (torch without numpy raises
+    this from Tensor.numpy); the EP layer on CPU must not need it."""
+    def no_numpy(self, *a, **k):
+        raise RuntimeError("Numpy is not available")
+
+    torch.Tensor.numpy = no_numpy
+    worker(rank, *args)
+
+
+def misuse_worker(rank, world_size, init_file, scenario):
+    """Ranks that pass inconsistent or bad input: every rank gets the same clear ValueError (never an
+    abort or a hang), and the group stays usable."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=2))
+    try:
+        group = dist.group.WORLD
+        x, rw, ids, weights, shared, d_y = problem(world_size, "random", N)
+        tokens = slice(rank * N, (rank + 1) * N)
+        experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
+        config = serval.Config(block_m=16, backend="torch")
+        local = [x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens]]
+        if scenario == "num_tokens":  # rank 1 has fewer tokens
+            if rank == 1:
+                local = [t[:N - 4] for t in local[:3]] + [local[3], shared, local[5][:N - 4]]
+            with pytest.raises(ValueError, match=r"num_tokens \(x.shape\[0\]\): \[24, 20\]"):
+                layer_grads(*local, group=group, config=config)
+        elif scenario == "expert_ids":  # rank 1 passes an id past E: a host check on CPU, on every rank
+            if rank == 1:
+                local[2] = local[2].clone()
+                local[2][3, 1] = E
+            with pytest.raises(ValueError, match=r"topk_ids must hold expert ids in \[0, 8\)"):
+                layer_grads(*local, group=group, config=config)
+        elif scenario == "expert_ids_deferred":  # the CUDA path's logic (no host check) on CPU
+            serval.api._checks_on_host = lambda device, debug: debug
+            good = layer_grads(*local, group=group, config=config)
+            bad = list(local)
+            if rank == 1:
+                bad[2] = bad[2].clone()
+                bad[2][3, 1] = -1
+            y, d_x, _, _, _, d_w_down, *_ = layer_grads(*bad, group=group, config=config)
+            assert torch.isnan(y).all() and torch.isnan(d_x).all() and torch.isnan(d_w_down).all()
+            with pytest.raises(ValueError, match="topk_ids must hold expert ids in .* in an earlier step"):
+                layer_grads(*local, group=group, config=config)
+            again = layer_grads(*local, group=group, config=config)  # reported once: the next step runs
+            assert all(torch.equal(a, b) for a, b in zip(good, again))
+        dist.barrier()  # leave together: a gloo peer that exits early can abort the others
+    finally:
+        dist.destroy_process_group()
+
+
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
         pull_programs=0):
-    """pull_programs: grouped_gemm.PULL_PROGRAMS in the ranks (the gate/up GEMM pulling its own rows)."""
+    """pull_programs: KernelPlan.pull_programs in the ranks (the gate/up GEMM pulling its own rows)."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
                            pull_programs), nprocs=world_size, join=True)
 
@@ -142,6 +199,16 @@ def test_ep_capacity_overflow_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("pull_programs", [0, 2])
 def test_ep_triton_kernels_in_interpreter(pull_programs, tmp_path):
     run(2, tmp_path, backend="triton", pull_programs=pull_programs)
+
+
+def test_ep_cpu_without_numpy(tmp_path):
+    mp.spawn(without_numpy_worker, args=(2, str(tmp_path / "init"), "random", "torch", 2.0, "cpu", N, 0),
+             nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("scenario", ["num_tokens", "expert_ids", "expert_ids_deferred"])
+def test_ep_bad_input_is_the_same_error_on_every_rank(scenario, tmp_path):
+    mp.spawn(misuse_worker, args=(2, str(tmp_path / "init"), scenario), nprocs=2, join=True)
 
 
 @requires_cuda

@@ -7,13 +7,16 @@ from serval import reference
 
 
 def loop_moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit):
-    """The SPEC formula, one token and one slot at a time."""
+    """The contract's formula (docs/CONTRACT.md), one token and one slot at a time."""
     y = torch.zeros_like(x)
     for t in range(x.shape[0]):
         v = x[t]
         if shared is not None:
             ws_gate, ws_up, ws_down = shared
-            y[t] += ws_down @ (torch.nn.functional.silu(ws_gate @ v) * (ws_up @ v))
+            gate, up = ws_gate @ v, ws_up @ v
+            if swiglu_limit is not None:  # the shared expert is clamped too
+                gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+            y[t] += ws_down @ (torch.nn.functional.silu(gate) * up)
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             gate, up = w_gate[e] @ v, w_up[e] @ v

@@ -11,7 +11,6 @@ and protocol of the expert-parallel layer run (and are tested) without a GPU.
 from __future__ import annotations
 
 import os
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -21,15 +20,23 @@ from . import PeerSlots, PeerTokens, split_source
 SHM_DIR = "/dev/shm"
 
 
+def _job_id(group, rank: int) -> str:
+    """A random id shared by the group (names its /dev/shm files): rank 0's random bytes, broadcast as a
+    uint8 tensor (a tensor collective: broadcast_object_list would need numpy)."""
+    job = torch.zeros(16, dtype=torch.uint8)
+    if rank == 0:
+        job = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
+    dist.broadcast(job, src=dist.get_global_rank(group, 0), group=group)
+    return bytes(job.tolist()).hex()
+
+
 class SharedMemoryTransport:
     def __init__(self, group, num_tokens: int, top_k: int):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.num_tokens, self.top_k = num_tokens, top_k
-        job = [uuid.uuid4().hex if self.rank == 0 else None]
-        dist.broadcast_object_list(job, src=dist.get_global_rank(group, 0), group=group)
-        self.job = job[0]
+        self.job = _job_id(group, self.rank)
         self.buffers: dict[tuple, list[torch.Tensor]] = {}
 
     def _barrier(self):
