@@ -60,24 +60,21 @@ def demo(args) -> int:
     return 0 if same_losses and same_weights else 1
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(minimum: int, expected: str):
+    """An argparse type: an integer >= minimum (`expected` says so in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text if value is not None else repr(text)}")
+        return value
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _positive_float(text: str) -> float:
