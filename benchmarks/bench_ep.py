@@ -15,44 +15,49 @@ Run with torchrun (nccl; --tiny: tiny shapes on the CPU with gloo, seconds):
   torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tiny
   python benchmarks/bench_ep.py --report-only --out benchmarks/results/h200x8_ep.json
 
-Inputs: SPEC.md's multi-GPU shapes (real E, E_local = E/P on each rank, N = 4096 tokens per GPU). Each rank
-makes its own tokens, router weights, d_y, experts and copy of the shared expert (bench_layer.make_inputs on
-the rank's shape, seeded per rank) and takes its N rows of one balanced routing of all P*N tokens
-(bench_layer.balanced_routing, same seed on every rank): every expert gets P*N*k/E rows, every rank N*k.
+Inputs: docs/CONTRACT.md's multi-GPU shapes (benchmarks/shapes.py EP_SHAPES: real E, E_local = E/P on each
+rank, N = 4096 tokens per GPU). Each rank makes its own tokens, router weights, d_y, experts and copy of the
+shared expert (bench_layer.make_inputs on the rank's shape, seeded per rank) and takes its N rows of one balanced
+routing of all P*N tokens (bench_layer.balanced_routing, same seed on every rank): every expert gets P*N*k/E
+rows, every rank N*k.
 Scopes: "routed" (experts only) and "layer" (+ the shared expert).
 
 Correctness first: serval's y and gradients (d_x, d_rw, d_w_gate) against nccl_a2a's, relative errors
-||a-b||/||b||, the largest over the ranks; an implementation past --tol is not timed. rel_errs["y_staged"]
-is the staged path below against serval.moe's y (0.0: the stages are what serval.moe runs).
+||a-b||/||b||, the largest over the ranks; an implementation past --tol is not timed.
 
-serval's forward by stage (stage_ms of its fwd records), through the lower layer (serval.functional) with
-CUDA events at the stage boundaries (perf_counter on the CPU), no autograd:
+serval's forward by stage (stage_ms of its fwd records), the steps of serval.functional.forward one at a time
+through its public pieces (functional.build_ep_schedule, functional.select_backend's stages, the workspace's
+transport), CUDA events at the stage boundaries (perf_counter on the CPU), no autograd:
   schedule      functional.build_ep_schedule: all-gather of the routing, the group's schedule, this rank's slice
   dispatch      transport.pull(x, row_source): this rank's experts' rows read from their owners
   gate_up       gate_up_swiglu over those rows
+  dispatch+gate_up  instead of those two where the plan has the gate/up GEMM pull its own rows (pull_programs > 0:
+                transport.pull_into; no dispatch_gbps then)
   shared        the shared expert (scope "layer")
-  down_combine  the down GEMM and the push of its rows into the owners' slots (the GEMM's epilogue writes
-                them there, or a push kernel after it: grouped_gemm.PUSH_FROM_EPILOGUE), the push's two
-                barriers, then the combine over the slots
-(Records of the sessions before the fused push split the last two as "experts" (gate/up + down) and
-"combine", with a combine_gbps.)
+  down_combine  the down GEMM and its rows into the owners' slots (the kernels' GEMM epilogue writes them there,
+                transport.push_from; the torch stages push them after it), the push's two barriers, then the
+                combine over the slots
+rel_errs["y_staged"] is this path against serval.moe's y (0.0: the stages are what serval.moe runs). Older
+records split the last two stages as "experts" (gate/up + down) and "combine", with a combine_gbps.
 dispatch_gbps: rank 0's rows moved across ranks (owner != rank 0) * H * 2 bytes over the dispatch stage's
 time (the largest over the ranks), per GPU and direction: an effective rate, the stage also holds the copy
 into the symmetric buffer and two barriers. --link-gbps (default 450, H200 NVLink per direction) is printed
 beside.
 
---variant "name: module.path=value; ..." (as benchmarks/layer_variants.py takes it) also runs serval with
-those serval.kernels settings, recorded as impl "serval (name)", right after serval's default; a setting
-"config.field=value" sets a field of the serval.Config it runs with instead (e.g. config.block_m=64).
+--variant "NAME: FIELD=VALUE; ..." (as bench_layer.py takes it: fields of serval.plan.KernelPlan, set in the plan
+serval picks for the shape, or of serval.Config) also runs serval with that Config, recorded as impl
+"serval (NAME)" with its settings, right after serval's default; e.g. "pull 16: pull_programs=16",
+"block_m 64: block_m=64". On the CPU (--tiny) serval runs its torch-op stages; a variant with backend=triton runs
+its kernels in Triton's interpreter (TRITON_INTERPRET=1, which bench_layer sets where there is no GPU).
 
-Records appended by rank 0 to --out (default benchmarks/results/h200x<P>_ep.json): {shape, impl, scope, pass,
-ep, ms, tflops, stage_ms, dispatch_gbps, link_gbps, rel_err, rel_errs, saved_mem_gib,
+Records appended by rank 0 to --out (default benchmarks/results/h200x<P>_ep.json): {shape, impl, settings, scope,
+pass, ep, ms, tflops, stage_ms, dispatch_gbps, link_gbps, rel_err, rel_errs, saved_mem_gib,
 peak_mem_gib, error, soak_s, date, gpus, torch, triton}. ms: median over --iters calls after --warmup and
 --soak seconds of sustained load (the GPUs at their power cap, as bench_layer.py times them), the largest
-over the ranks; tflops: SPEC.md's FLOPs per GPU (fwd 6*(N + N*k)*H*I for layer, 6*N*k*H*I for routed,
-fwdbwd 3x) over ms; memory: GiB on the GPU, largest over the ranks. A rank that raises leaves its peers
-inside a collective, so an error ends the run (torchrun stops every rank); records are saved after each
-implementation.
+over the ranks; tflops: docs/CONTRACT.md's FLOPs per GPU (bench_layer.flops: forward 6*(N + N*k)*H*I for
+layer, 6*N*k*H*I for routed, backward 2 x forward) over ms; memory: GiB on the GPU, largest over the ranks. A
+rank that raises leaves its peers inside a collective, so an error ends the run (torchrun stops every rank);
+records are saved after each implementation.
 """
 
 import os
@@ -74,32 +79,24 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
 
-import bench_layer  # also puts this checkout's serval first on the path
-import layer_variants
-from bench_layer import (SHAPES as LAYER_SHAPES, balanced_routing, env_info, flops, latest, load_records,
-                         make_inputs, make_params, memory_gib, plot, print_table, rel_err,
-                         save_records, shared_mlp, shared_of, time_ms)
+import bench_layer  # also puts this checkout's serval first on the path (and, without a GPU, the interpreter on)
+from bench_layer import (balanced_routing, env_info, flops, latest, load_records, make_inputs, make_params,
+                         memory_gib, parse_variants, plot, print_table, rel_err, save_records, shared_mlp, shared_of,
+                         time_ms, variant_config)
+from shapes import EP_SHAPES, EP_TINY_SHAPES
 
 import serval
 from serval import functional
+from serval.schedule import slot_schedule
 from serval.transport import split_source
 
 # the autograd all_to_all_single of the stable API; it warns that it is deprecated on every call
 warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_to_all_single is deprecated")
 
-# name: (H, I (= Is), E (global), k, N (tokens per GPU), has shared expert)
-REAL_E = {"kimi-k2": 384, "glm-5": 256, "qwen3.5-397b": 512, "deepseek-v4-pro": 384}
-TOKENS_PER_GPU = 4096
-SHAPES = {name: (H, I, REAL_E[name], k, TOKENS_PER_GPU, shared)
-          for name, (H, I, _, k, _, shared) in LAYER_SHAPES.items() if name in REAL_E}
-TINY_SHAPES = {  # E divisible by 2, 4 and 8; dims multiples of 8 (torch._grouped_mm wants 16-byte strides)
-    "tiny-a": (64, 32, 16, 4, 48, True),
-    "tiny-b": (32, 16, 8, 3, 42, False),
-}
 IMPLS = ["serval", "nccl_a2a"]
 SCOPES = ["routed", "layer"]
 PASSES = ["fwd", "fwdbwd"]
-STAGES = ["schedule", "dispatch", "gate_up", "shared", "down_combine"]
+STAGES = ["schedule", "dispatch", "gate_up", "dispatch+gate_up", "shared", "down_combine"]
 
 
 def log(*args):
@@ -198,23 +195,31 @@ def serval_staged_forward(p, topk_ids, workspace, config, clock):
     x, rw, shared = p["x"], p["router_weights"], shared_of(p)
     ops = functional.select_backend(config, x, p["w_gate"], shared)
     transport = workspace.transport
+    hidden, num_tokens = x.shape[1], x.shape[0]
     marks = [("start", clock())]
     schedule, _, _ = functional.build_ep_schedule(topk_ids, rw, workspace)
     marks.append(("schedule", clock()))
-    x_rows = transport.pull(x, schedule.row_source)
-    marks.append(("dispatch", clock()))
-    _, h = ops.gate_up_swiglu(x, p["w_gate"], p["w_up"], schedule, None, a_rows=x_rows)
-    marks.append(("gate_up", clock()))
+    if ops.pulls_in_gemm:  # the gate/up GEMM's first programs pull its rows from the owners
+        _, h = transport.pull_into(lambda source: ops.gate_up_swiglu(
+            x, p["w_gate"], p["w_up"], schedule, None, pull_from=source, pull_flags=workspace.pull_flags), x)
+        marks.append(("dispatch+gate_up", clock()))
+    else:
+        x_rows = transport.pull(x, schedule.row_source)
+        marks.append(("dispatch", clock()))
+        _, h = ops.gate_up_swiglu(x, p["w_gate"], p["w_up"], schedule, None, a_rows=x_rows)
+        marks.append(("gate_up", clock()))
     shared_out = None
     if shared is not None:  # the shared expert as a one-expert group over the rank's own tokens
         ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)
-        shared_schedule = functional.dense_schedule(x.shape[0], schedule.block_m, x.device)
+        shared_schedule = functional.dense_schedule(num_tokens, schedule.block_m, x.device)
         _, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, None)
-        shared_out = ops.down(shared_h, ws_down, shared_schedule)[: x.shape[0]]
+        shared_out = ops.down(shared_h, ws_down, shared_schedule)[:num_tokens]
         marks.append(("shared", clock()))
-    slots, slot_schedule = functional._gemm_out(  # the down GEMM, its rows in the owners' slots
-        ops, lambda **push: ops.down(h, p["w_down"], schedule, **push), x.shape[1], x.dtype, schedule, transport)
-    y = ops.combine(slots, rw, slot_schedule, shared_out)
+    if ops.pushes_from_epilogue:  # the down GEMM's epilogue stores its rows into the owners' slots
+        slots = transport.push_from(lambda target: ops.down(h, p["w_down"], schedule, push_to=target), hidden, x.dtype)
+    else:
+        slots = transport.push(ops.down(h, p["w_down"], schedule), schedule.row_source, complete=True, copy=False)
+    y = ops.combine(slots, rw, slot_schedule(num_tokens, topk_ids.shape[1], x.device), shared_out)
     marks.append(("down_combine", clock()))
     return y, marks
 
@@ -258,7 +263,8 @@ def serval_stage_times(p, topk_ids, group, args, device, config):
     medians.append(statistics.median(elapsed(marks[0][1], marks[-1][1]) for marks in runs))
     stage_ms = dict(zip(names, group_max(medians, device)))
     gbytes = moved * p["x"].shape[1] * p["x"].element_size() / 1e9
-    return dict(stage_ms=stage_ms, dispatch_gbps=gbytes / (stage_ms["dispatch"] * 1e-3), link_gbps=args.link_gbps)
+    dispatch_gbps = gbytes / (stage_ms["dispatch"] * 1e-3) if "dispatch" in stage_ms else None
+    return dict(stage_ms=stage_ms, dispatch_gbps=dispatch_gbps, link_gbps=args.link_gbps)
 
 
 def soak(fn, seconds, device):
@@ -274,14 +280,14 @@ def soak(fn, seconds, device):
 # -----------------------------------------------------------------------------
 
 
-def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label=None, config=None):
+def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label=None, settings=None):
     """Check one implementation against the reference (nccl_a2a), then time each pass. Returns its records
-    (impl = label, default the name). config: serval's Config (default Config())."""
+    (impl = label, default the name). settings: serval's variant (bench_layer.variant_config; None: Config())."""
     shape, topk_ids, dy = inp["shape"], inp["topk_ids"], inp["dy"]
-    config = config or serval.Config()
+    p = make_params(inp, scope)
+    config = variant_config(settings or [], p["x"])
     impl = functools.partial(IMPL_FNS[name], group=group,  # bench_layer's impl(p, topk_ids)
                              **({"config": config} if name == "serval" else {}))
-    p = make_params(inp, scope)
     label = label or name
     tag = f"{shape_name:<16} {scope:<6} {label:<9}"
     errs = bench_layer.check(impl, p, topk_ids, dy, ref)
@@ -293,9 +299,11 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
     errs = dict(zip(errs, group_max(list(errs.values()), device)))
     err = max(errs.values())
     log(f"{tag} rel_err (max over ranks) " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    recorded = None if settings is None else [f"{path}={value!r}" for path, value in settings]
     records = []
     for ps in passes:
-        rec = dict(shape=shape_name, impl=label, scope=scope, **{"pass": ps}, ep=group.size(), ms=None, tflops=None,
+        rec = dict(shape=shape_name, impl=label, settings=recorded, scope=scope, **{"pass": ps}, ep=group.size(),
+                   ms=None, tflops=None,
                    stage_ms=None, dispatch_gbps=None, link_gbps=None, rel_err=err, rel_errs=errs,
                    saved_mem_gib=None, peak_mem_gib=None, error=None, soak_s=args.soak, **info)
         records.append(rec)
@@ -315,9 +323,9 @@ def bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, i
         log(f"{tag} {ps:<6} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s per GPU{mem}")
         if name == "serval" and ps == "fwd":
             rec.update(serval_stage_times(p, topk_ids, group, args, device, config))
-            log(f"{tag} stages " + " ".join(f"{s} {t:.3f}" for s, t in rec["stage_ms"].items()) + " ms; "
-                f"dispatch {rec['dispatch_gbps']:.4g} GB/s ({rec['dispatch_gbps'] / args.link_gbps:.0%} of "
-                f"{args.link_gbps:g})")
+            log(f"{tag} stages " + " ".join(f"{s} {t:.3f}" for s, t in rec["stage_ms"].items()) + " ms"
+                + (f"; dispatch {rec['dispatch_gbps']:.4g} GB/s ({rec['dispatch_gbps'] / args.link_gbps:.0%} of "
+                   f"{args.link_gbps:g})" if rec["dispatch_gbps"] else ""))
     return records
 
 
@@ -332,15 +340,16 @@ def report(records, args):
     staged = [r for r in records if r.get("stage_ms")]
     if staged:
         link = staged[-1]["link_gbps"]
-        # older records have other stage names (see the module docstring): every name seen, in order
-        stages = list(dict.fromkeys(s for r in staged for s in r["stage_ms"] if s != "total")) + ["total"]
+        # older records have other stage names (see the module docstring): every name seen, STAGES' first
+        seen = {s for r in staged for s in r["stage_ms"]}
+        stages = [s for s in STAGES if s in seen] + sorted(seen - set(STAGES) - {"total"}) + ["total"]
         print(f"\nserval forward by stage, ms; dispatch GB/s per GPU and direction (link {link:g} GB/s)")
         print(f"{'shape':<16}{'scope':<8}{'impl':<24}" + "".join(f"{s[:12]:>13}" for s in stages) + f"{'dispatch':>10}")
         for r in staged:
             cells = [r["stage_ms"].get(s) for s in stages]
             print(f"{r['shape']:<16}{r['scope']:<8}{r['impl']:<24}"
                   + "".join(f"{c:>13.3f}" if c is not None else f"{'-':>13}" for c in cells)
-                  + f"{r['dispatch_gbps']:>10.4g}")
+                  + (f"{r['dispatch_gbps']:>10.4g}" if r["dispatch_gbps"] else f"{'-':>10}"))
 
 
 def main():
@@ -366,7 +375,6 @@ def main():
     parser.add_argument("--variant", action="append", default=[],
                         help="'name: module.path=value; ...': serval with these serval.kernels settings, too")
     args = parser.parse_args()
-    variants = [layer_variants.parse_variant(v) for v in args.variant]
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
     args.iters = args.iters if args.iters is not None else (5 if args.tiny else 50)
     args.soak = args.soak if args.soak is not None else (0.0 if args.tiny else 2.0)
@@ -377,6 +385,7 @@ def main():
         return
     if "RANK" not in os.environ:
         parser.error("run under torchrun, e.g. torchrun --nproc-per-node 8 benchmarks/bench_ep.py")
+    variants = parse_variants(parser, args.variant, torch.device("cpu"))
 
     # one process per GPU: nccl on the GPUs, gloo on the CPU
     device_type = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -392,7 +401,7 @@ def main():
         args.out = os.path.join(tempfile.gettempdir(), "bench_ep_tiny.json") if args.tiny else \
             f"benchmarks/results/h200x{P}_ep.json"
 
-    table = TINY_SHAPES if args.tiny else SHAPES
+    table = EP_TINY_SHAPES if args.tiny else EP_SHAPES
     shape_names = args.shapes.split(",") if args.shapes else list(table)
     impls, scopes, passes = args.impls.split(","), args.scopes.split(","), args.passes.split(",")
     for given, known in [(shape_names, table), (impls, IMPLS), (scopes, SCOPES), (passes, PASSES)]:
@@ -412,20 +421,13 @@ def main():
             if scope == "layer" and not inp["shape"][-1]:
                 continue  # no shared expert: layer == routed
             ref = bench_layer.reference(functools.partial(nccl_a2a, group=group), inp, scope, passes)
-            runs = [(name, name, []) for name in impls]
+            runs = [(name, name, None) for name in impls]
             if "serval" in impls:
                 at = impls.index("serval") + 1
                 runs[at:at] = [("serval", f"serval ({label})", settings) for label, settings in variants]
             for name, label, settings in runs:
-                config = serval.Config(**{path.split(".", 1)[1]: value for path, value in settings
-                                          if path.startswith("config.")})
-                saved = layer_variants.apply([(path, value) for path, value in settings
-                                              if not path.startswith("config.")])
-                try:
-                    records = bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label,
-                                         config)
-                finally:
-                    layer_variants.undo(saved)
+                records = bench_impl(name, inp, ref, shape_name, scope, passes, group, args, device, info, label,
+                                     settings)
                 if rank == 0:
                     save_records(records, args.out)
                 if device.type == "cuda":

@@ -2,37 +2,61 @@
 Benchmark MoE layer implementations side by side on one GPU (EP=1).
 
 Implementations (same inputs, same function, gradients by autograd):
-  serval            serval.moe (the fused kernel; imported lazily)
+  serval            serval.moe with serval.Config(): on the GPU its kernels, each GEMM stage as the
+                    serval.plan.KernelPlan that serval.plan.choose_plan picks for the shape and the GPU says;
+                    on the CPU its torch-op stages
+  serval (NAME)     serval.moe with the Config of --variant "NAME: ..." (below); on the CPU, "backend=triton"
+                    runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set when there is no GPU)
   torch_grouped_mm  plain PyTorch: sort, gather, torch._grouped_mm, SiLU*up, _grouped_mm, fixed-order combine
   hf_loop           the per-expert Python loop most model code uses (index_add_, syncs)
   sonicmoe          SonicMoE 0.1.2.post1 (Dao AI Lab), moe_general_routing_inputs with our ids and weights
 
 Examples:
-  python benchmarks/bench_layer.py --tiny --impls torch_grouped_mm,hf_loop      # CPU smoke test, seconds
+  python benchmarks/bench_layer.py --tiny --impls serval,torch_grouped_mm,hf_loop   # CPU smoke test, seconds
   python benchmarks/bench_layer.py --impls serval,torch_grouped_mm,hf_loop --plot
+  python benchmarks/bench_layer.py --shapes kimi-k2 --impls serval --variant "triton dgrad: down_dgrad_engine=triton"
   source benchmarks/install_sonicmoe.sh && python benchmarks/bench_layer.py --shapes kimi-k2,qwen3-30b-a3b \
       --impls serval,sonicmoe,torch_grouped_mm                                    # all side by side
 SonicMoE's first call on each shape compiles and autotunes its GEMMs (minutes per shape, so a 10-minute
 device call takes two or three shapes with it); --sonic-configs caps its autotuning (default 3 configs per GEMM).
 
-Timing protocol (CUDA): per (implementation, pass), warm-up calls, then --soak seconds (default 2) of
-back-to-back calls, then --iters timed calls (CUDA events, median) with no sync in between. An H200 runs
-these GEMMs at its 700 W power cap, where the SM clock settles near 1450 MHz instead of 1980 (see
-BENCHMARKS.md): timed without the soak, whichever implementation runs right after an idle moment gets a
-faster GPU. The same protocol times a dense bf16 torch.matmul, the ceiling of the table and plot.
+Variants (--variant, repeatable): "NAME: FIELD=VALUE; FIELD=VALUE; ...", VALUE a Python literal or a bare word.
+FIELD names a field of serval.plan.KernelPlan, set (dataclasses.replace) in the plan that choose_plan picks for
+the shape (FIELD.SUB reaches into one of its TileConfig / GluonConfig values: gate_up_tiles.num_stages=4), or a
+field of serval.Config (block_m=64, recompute=True). E.g. "triton dgrad: down_dgrad_engine=triton". A plan
+changes speed, never results.
 
-Each record appended to --out: {shape, impl, scope, pass, ms, tflops, saved_mem_gib, peak_mem_gib,
-rel_err, rel_errs, error, soak_s, sm_clock_mhz, power_w, date, gpu, torch, triton}. rel_err is the largest
-of the relative errors ||a-b||/||b|| against torch_grouped_mm (y for fwd; y, d_x, d_rw, d_w_gate for
-fwdbwd); an implementation whose rel_err exceeds --tol is not timed (ms None, error "mismatch"). "fwd"
-times the training forward (autograd on); "fwdbwd" times forward + torch.autograd.grad for x,
-router_weights and every weight. saved_mem_gib: memory held by the autograd graph after forward (minus
-y); peak_mem_gib: peak of one timed call above the inputs. sm_clock_mhz, power_w: medians of nvidia-smi
-samples over the timed calls (None without nvidia-smi). FLOPs as SPEC.md counts them: routed fwd
-6*N*k*H*I, layer fwd 6*(N+N*k)*H*I, fwdbwd 3x fwd.
+Inputs: the shapes of docs/CONTRACT.md (benchmarks/shapes.py), bf16 tokens and weights (weights scaled by
+fan_in^-1/2), fp32 router weights (softmax), balanced routing (every expert N*k/E rows +-1, every token k
+distinct experts), seeded. Scope "routed": the routed experts; "layer": plus the shared expert (Is = I).
+
+Correctness first: each implementation's y (pass fwd) or y, d_x, d_router_weights and d_w_gate (fwdbwd) are
+compared with torch_grouped_mm's (relative error ||a-b||/||b||; this first call also compiles and autotunes);
+above --tol it is not timed (ms None, error "mismatch").
+
+Timing protocol (CUDA), per (implementation, pass): --warmup calls, then about --soak seconds (default 2) of
+back-to-back calls, then --iters timed calls (CUDA events around each, no sync in between); ms is their median.
+An H200 runs these GEMMs at its 700 W power cap, where the SM clock settles at 1410-1520 MHz instead of its
+idle 1980 (BENCHMARKS.md, Method): timed without the soak, whichever implementation runs right after an idle
+moment gets a faster GPU. The same protocol times a dense bf16 torch.matmul (8192^3), the ceiling of the table
+and plot. On the CPU: --warmup calls, then the median of --iters calls (perf_counter), no soak.
+"fwd" times the training forward (autograd on); "fwdbwd" times forward + torch.autograd.grad for x,
+router_weights and every weight.
+
+FLOPs as docs/CONTRACT.md counts them: forward = 6 * (N + N*k) * H * I for scope "layer" (the shared expert's N
+rows, Is = I), 6 * N*k * H * I for "routed"; backward = 2 x forward, so "fwdbwd" counts 3 x forward.
+TFLOP/s = FLOPs / ms.
+
+Each record appended to --out: {shape, impl, settings, scope, pass, ms, tflops, saved_mem_gib, peak_mem_gib,
+rel_err, rel_errs, error, soak_s, sm_clock_mhz, power_w, date, gpu, torch, triton}. settings: a variant's
+settings (None otherwise); rel_err: the largest of rel_errs. saved_mem_gib: memory the autograd graph holds after
+one forward, minus y; peak_mem_gib: peak of one timed call above the memory allocated before it (CUDA only).
+sm_clock_mhz, power_w: medians of nvidia-smi samples over the timed calls (None without nvidia-smi).
 """
 
 import argparse
+import ast
+import dataclasses
 import datetime
 import json
 import os
@@ -46,20 +70,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's serval
+if not torch.cuda.is_available():  # Config(backend="triton") runs in the CPU interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# name: (H, I (= Is), E, k, N, has shared expert)
-SHAPES = {
-    "kimi-k2": (7168, 2048, 12, 8, 4096, True),
-    "glm-5": (6144, 2048, 16, 8, 8192, True),
-    "qwen3.5-397b": (4096, 1024, 20, 10, 5120, True),
-    "deepseek-v4-pro": (7168, 3072, 12, 6, 4096, True),
-    "qwen3-30b-a3b": (2048, 768, 128, 8, 16384, False),
-}
-TINY_SHAPES = {  # dims are multiples of 8: torch._grouped_mm wants 16-byte strides
-    "tiny-a": (64, 32, 4, 2, 48, True),
-    "tiny-b": (32, 16, 8, 3, 42, False),  # N*k/E = 15.75: experts get 15 or 16 rows
-}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's serval
+from shapes import SHAPES, TINY_SHAPES  # noqa: E402
+
 IMPLS = ["serval", "torch_grouped_mm", "hf_loop", "sonicmoe"]
 SCOPES = ["routed", "layer"]
 PASSES = ["fwd", "fwdbwd"]
@@ -117,9 +133,12 @@ def shared_mlp(x, shared):
 
 
 def flops(shape, scope, pass_):
+    """docs/CONTRACT.md's count: forward 6 * rows * H * I, rows = N*k routed (+ N shared-expert rows, Is = I, for
+    scope "layer"): three GEMMs of 2 * H * I per row; backward 2 x forward, so fwdbwd 3 x forward."""
     H, I, E, k, N, _ = shape
     rows = N * k + (N if scope == "layer" else 0)
-    return 6 * rows * H * I * (3 if pass_ == "fwdbwd" else 1)
+    forward = 6 * rows * H * I
+    return forward + (2 * forward if pass_ == "fwdbwd" else 0)
 
 
 # -----------------------------------------------------------------------------
@@ -160,10 +179,22 @@ def hf_loop(p, topk_ids):
     return y.to(x.dtype)
 
 
-def serval_moe(p, topk_ids):
+def serval_impl(settings=()):
+    """serval.moe with the Config of a variant's settings (`variant_config`; none: the default), built once
+    per (H, dtype, device), outside the timed calls."""
     import serval
 
-    return serval.moe(p["x"], p["router_weights"], topk_ids, p["w_gate"], p["w_up"], p["w_down"], shared=shared_of(p))
+    configs = {}
+
+    def impl(p, topk_ids):
+        x = p["x"]
+        key = (x.shape[1], x.dtype, x.device)
+        if key not in configs:
+            configs[key] = variant_config(settings, x)
+        return serval.moe(x, p["router_weights"], topk_ids, p["w_gate"], p["w_up"], p["w_down"], shared=shared_of(p),
+                          config=configs[key])
+
+    return impl
 
 
 def sonicmoe(p, topk_ids):
@@ -222,9 +253,7 @@ def load_impl(name, device, args):
     """(impl, prepare) or None with a message when it cannot run here."""
     try:
         if name == "serval":
-            import serval  # noqa: F401
-
-            return serval_moe, None
+            return serval_impl(), None
         if name == "sonicmoe":
             if device.type != "cuda":
                 print("skip sonicmoe: needs CUDA")
@@ -240,6 +269,90 @@ def load_impl(name, device, args):
 
 
 # -----------------------------------------------------------------------------
+# variants: a serval.Config, and in it a serval.plan.KernelPlan (see the module docstring)
+
+
+def parse_variant(text):
+    """'NAME: a=1; b.c=x' -> ('NAME', [('a', 1), ('b.c', 'x')]): values are Python literals, else bare words."""
+    name, colon, body = text.partition(":")
+    if not colon or not name.strip() or not body.strip():
+        raise ValueError(f"variant {text!r}: expected 'NAME: FIELD=VALUE; ...'")
+    settings = []
+    for setting in filter(str.strip, body.split(";")):
+        path, eq, value = setting.partition("=")
+        if not eq or not path.strip():
+            raise ValueError(f"variant {name.strip()!r}: setting {setting.strip()!r} is not FIELD=VALUE")
+        try:
+            value = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            value = value.strip()
+        settings.append((path.strip(), value))
+    return name.strip(), settings
+
+
+def replaced(obj, path, value):
+    """The frozen dataclass obj with field `path` ('a' or 'a.b': into the dataclass held in field a) set to value;
+    the dataclasses along the path are copied (dataclasses.replace, so each one validates its fields)."""
+    head, _, rest = path.partition(".")
+    fields = [f.name for f in dataclasses.fields(obj)]
+    if head not in fields:
+        raise ValueError(f"{type(obj).__name__} has no field {head!r} (fields: {', '.join(fields)})")
+    if rest:
+        inner = getattr(obj, head)
+        if not dataclasses.is_dataclass(inner):
+            raise ValueError(f"{type(obj).__name__}.{head} is {inner!r}, not a dataclass: no field {rest!r} in it")
+        value = replaced(inner, rest, value)
+    return dataclasses.replace(obj, **{head: value})
+
+
+def variant_plan(settings, plan):
+    """`plan` (a serval.plan.KernelPlan) with the settings."""
+    for path, value in settings:
+        plan = replaced(plan, path, value)
+    return plan
+
+
+def parse_variants(parser, texts, device):
+    """[(NAME, settings)] of the --variant texts, each checked against serval.Config and KernelPlan's fields
+    (a parser error, before anything runs, for a malformed text or an unknown field)."""
+    variants = []
+    for text in texts:
+        try:
+            name, settings = parse_variant(text)
+            variant_config(settings, torch.zeros(1, 8, dtype=torch.bfloat16, device=device))
+        except (ValueError, TypeError) as e:
+            parser.error(f"--variant {text!r}: {e}")
+        variants.append((name, settings))
+    return variants
+
+
+def variant_config(settings, x):
+    """The serval.Config that serval.moe runs a variant with on tokens x: KernelPlan fields set in the plan
+    serval.moe would pick for x (serval.kernels.plan_for, i.e. serval.plan.choose_plan), the other settings
+    in the Config. No settings: serval.Config() (the plan left to serval.moe)."""
+    import serval
+    from serval.plan import KernelPlan
+
+    plan_fields = {f.name for f in dataclasses.fields(KernelPlan)}
+    config_fields = {f.name for f in dataclasses.fields(serval.Config)} - {"kernel_plan"}
+    for path, _ in settings:
+        if path.split(".")[0] not in plan_fields | config_fields:
+            raise ValueError(f"setting {path!r}: not a field of serval.plan.KernelPlan "
+                             f"({', '.join(sorted(plan_fields))}) or of serval.Config "
+                             f"({', '.join(sorted(config_fields))})")
+    plan_settings = [(path, value) for path, value in settings if path.split(".")[0] in plan_fields]
+    config = serval.Config()
+    if plan_settings:
+        from serval import kernels
+
+        config = replaced(config, "kernel_plan", variant_plan(plan_settings, kernels.plan_for(x)))
+    for path, value in settings:
+        if path.split(".")[0] in config_fields:
+            config = replaced(config, path, value)
+    return config
+
+
+# -----------------------------------------------------------------------------
 # measuring
 
 
@@ -248,8 +361,8 @@ def time_ms(fn, warmup, iters, device, soak_s=0.0):
 
     soak_s (CUDA): before the timed calls, keep the GPU busy with fn() for about that many seconds, with
     no sync between the soak and the timed calls. An H200 runs GEMM-heavy work at its 700 W cap: the SM
-    clock starts at 1980 MHz and settles near 1450 MHz within about a second of sustained load (see
-    BENCHMARKS.md), so a short burst after idle measures a GPU that training never sees. Every
+    clock starts at 1980 MHz and settles at 1410-1520 MHz within about a second of sustained load
+    (BENCHMARKS.md, Method), so a short burst after idle measures a GPU that training never sees. Every
     implementation is timed in that settled state.
     """
     for _ in range(warmup):
@@ -504,17 +617,18 @@ def pass_fn(impl, p, topk_ids, dy, ps):
     return lambda: torch.autograd.grad(impl(p, topk_ids), list(p.values()), dy)
 
 
-def bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, device, info, monitor):
+def bench_impl(name, impl, prepare, settings, inp, ref, shape_name, scope, passes, args, device, info, monitor):
     """Check one implementation against the reference (its first call also compiles and autotunes),
-    then time each pass. Returns its records."""
+    then time each pass. Returns its records (settings: a variant's, recorded)."""
     shape = inp["shape"]
     topk_ids, dy = inp["topk_ids"], inp["dy"]
     p = make_params(inp, scope)
     p = prepare(p) if prepare else p
     tag = f"{shape_name:<16} {scope:<6} {name:<17}"
-    records = [dict(shape=shape_name, impl=name, scope=scope, **{"pass": ps}, ms=None, tflops=None, saved_mem_gib=None,
-                    peak_mem_gib=None, rel_err=None, rel_errs=None, error=None, soak_s=args.soak, sm_clock_mhz=None,
-                    power_w=None, **info)
+    settings = [f"{path}={value!r}" for path, value in settings] if settings is not None else None
+    records = [dict(shape=shape_name, impl=name, settings=settings, scope=scope, **{"pass": ps}, ms=None, tflops=None,
+                    saved_mem_gib=None, peak_mem_gib=None, rel_err=None, rel_errs=None, error=None, soak_s=args.soak,
+                    sm_clock_mhz=None, power_w=None, **info)
                for ps in passes]
     try:
         errs = check(impl, p, topk_ids, dy, ref)
@@ -564,22 +678,32 @@ def main():
     parser.add_argument("--out", default=None, help="JSON list to append to (default: benchmarks/results/"
                         "h200_layer.json; with --tiny: bench_layer_tiny.json in the temp folder)")
     parser.add_argument("--plot", nargs="?", const="", default=None, help="PNG path (default: --out with .png)")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes, runs on the CPU in seconds")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, seconds (on the CPU where there is no GPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--report-only", action="store_true", help="measure nothing: table (and --plot) of --out")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="'NAME: FIELD=VALUE; ...': serval with these KernelPlan / Config fields, too, as impl "
+                             "'serval (NAME)' (see above)")
     args = parser.parse_args()
     if args.out is None:
         args.out = os.path.join(tempfile.gettempdir(), "bench_layer_tiny.json") if args.tiny else \
             "benchmarks/results/h200_layer.json"
 
     device = torch.device(args.device)
+    variants = parse_variants(parser, args.variant, device)
     table = TINY_SHAPES if args.tiny else SHAPES
     shape_names = args.shapes.split(",") if args.shapes else list(table)
     scopes, passes = args.scopes.split(","), args.passes.split(",")
     for given, known in [(shape_names, table), (args.impls.split(","), IMPLS), (scopes, SCOPES), (passes, PASSES)]:
         if set(given) - set(known):
             parser.error(f"unknown {sorted(set(given) - set(known))}; known: {', '.join(known)}")
-    impls = {} if args.report_only else {n: impl for n in args.impls.split(",") if (impl := load_impl(n, device, args))}
+    impls = {} if args.report_only else {n: (*impl, None) for n in args.impls.split(",")
+                                         if (impl := load_impl(n, device, args))}
+    if not args.report_only:  # the variants right after serval's default
+        names = list(impls)
+        at = names.index("serval") + 1 if "serval" in names else len(names)
+        runs = [(f"serval ({label})", (serval_impl(settings), None, settings)) for label, settings in variants]
+        impls = dict([(n, impls[n]) for n in names[:at]] + runs + [(n, impls[n]) for n in names[at:]])
     info = env_info(device)
     print(f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}; impls: {', '.join(impls)}")
     monitor = GpuMonitor(device)
@@ -592,9 +716,9 @@ def main():
             if scope == "layer" and not inp["shape"][-1]:
                 continue  # no shared expert: layer == routed
             ref = reference(torch_grouped_mm, inp, scope, passes)
-            for name, (impl, prepare) in impls.items():
-                save_records(bench_impl(name, impl, prepare, inp, ref, shape_name, scope, passes, args, device, info,
-                                        monitor), args.out)
+            for name, (impl, prepare, settings) in impls.items():
+                save_records(bench_impl(name, impl, prepare, settings, inp, ref, shape_name, scope, passes, args,
+                                        device, info, monitor), args.out)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             del ref

@@ -1,109 +1,204 @@
-"""The benchmark scripts still run: their --tiny modes, in seconds (CPU, or the GPU where there is one)."""
+"""The benchmark scripts (benchmarks/) and the investigation tools (tools/) run, and count what the contract says.
+
+Smoke tests run the --tiny modes, each in seconds: on the GPU where there is one, else on the CPU (serval's
+kernels, where a variant asks for them, in Triton's interpreter: TRITON_INTERPRET=1, which conftest.py and the
+scripts set without a GPU). The GPU-only tools are skipped without a GPU (and ncu).
+"""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import CUDA
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+TOOLS = os.path.join(ROOT, "tools")
+sys.path.insert(0, BENCHMARKS)
+sys.path.insert(0, TOOLS)
+
+import bench_layer  # noqa: E402
+import shapes  # noqa: E402
+
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+# a variant that runs serval's kernels (in the interpreter on the CPU) with a Config field and plan fields changed
+KERNELS = "kernels: backend='triton'; block_m=16; down_tiles.num_stages=2"
 
 
-def run_script(name, *args, launcher=(), env=None):
-    result = subprocess.run([sys.executable, *launcher, os.path.join(BENCHMARKS, name), *args], capture_output=True,
-                            text=True, timeout=600, env={**os.environ, **env} if env else None)
+def run_script(path, *args, launcher=(), env=None):
+    result = subprocess.run([sys.executable, *launcher, path, *args], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **env} if env else None)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
 
+# ---------------------------------------------------------------- the shapes, FLOPs and variants
+
+
+def test_shapes_are_the_contracts():
+    """benchmarks/shapes.py holds docs/CONTRACT.md's benchmark shapes: the EP=1 table, and the multi-GPU shapes
+    (the first four with their real expert counts, 4096 tokens per GPU)."""
+    text = open(os.path.join(ROOT, "docs", "CONTRACT.md")).read()
+    section = text[text.index("## Benchmark shapes"):]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[1].isdigit():
+            table[cells[0].split(" (")[0]] = (*map(int, cells[1:6]), "no shared" not in cells[0])
+    assert table == {name: tuple(shape) for name, shape in shapes.SHAPES.items()}
+    multi_gpu = section[section.index("Multi-GPU"):]
+    experts = dict(re.findall(r"([\w.-]+) (\d+)", re.search(r"expert counts \(([^)]*)\)", multi_gpu).group(1)))
+    assert int(re.search(r"(\d+)\s+tokens\s+per\s+GPU", multi_gpu).group(1)) == shapes.TOKENS_PER_GPU
+    assert {name: (s.experts, s.tokens) for name, s in shapes.EP_SHAPES.items()} == \
+        {name: (int(e), shapes.TOKENS_PER_GPU) for name, e in experts.items()}
+    for name, s in shapes.EP_SHAPES.items():
+        assert s._replace(experts=0, tokens=0) == shapes.SHAPES[name]._replace(experts=0, tokens=0)
+
+
+def test_flops_count_the_contract():
+    """bench_layer.flops: forward 6 * (N + N*k) * H * I with the shared expert (6 * N*k * H * I routed only),
+    backward 2 x forward."""
+    H, I, E, k, N, _ = shape = shapes.SHAPES["kimi-k2"]
+    assert bench_layer.flops(shape, "layer", "fwd") == 6 * (N + N * k) * H * I
+    assert bench_layer.flops(shape, "routed", "fwd") == 6 * N * k * H * I
+    for scope in ("routed", "layer"):
+        assert bench_layer.flops(shape, scope, "fwdbwd") == 3 * bench_layer.flops(shape, scope, "fwd")
+
+
+def test_variant_is_a_config_value():
+    """A variant string becomes a serval.Config: KernelPlan fields (nested ones into a TileConfig) set in the plan
+    serval picks for x, Config fields in the Config; no settings give Config(); bad settings are errors."""
+    from serval import Config, kernels
+
+    name, settings = bench_layer.parse_variant(
+        "v: down_engine=triton; gate_up_tiles.num_stages=4; pull_programs=16; block_m=64; recompute=True;")
+    assert name == "v" and settings == [("down_engine", "triton"), ("gate_up_tiles.num_stages", 4),
+                                        ("pull_programs", 16), ("block_m", 64), ("recompute", True)]
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    config = bench_layer.variant_config(settings, x)
+    chosen = kernels.plan_for(x)
+    assert config.block_m == 64 and config.recompute is True
+    assert config.kernel_plan.gate_up_tiles.num_stages == 4 and config.kernel_plan.pull_programs == 16
+    assert config.kernel_plan.down_tiles == chosen.down_tiles  # fields not named keep the chosen plan's
+    assert bench_layer.variant_config([], x) == Config()
+    assert bench_layer.variant_config([("block_m", 32)], x).kernel_plan is None
+    for bad, match in [("v: block_m", "FIELD=VALUE"), ("no colon", "expected"), ("v: ", "expected")]:
+        with pytest.raises(ValueError, match=match):
+            bench_layer.parse_variant(bad)
+    for bad, match in [([("colour", 1)], "not a field"), ([("gate_up_tiles.colour", 1)], "no field 'colour'"),
+                       ([("down_engine", "pingpong")], "down_engine"), ([("block_m", 48)], "block_m"),
+                       ([("use_tma.x", 1)], "not a dataclass")]:
+        with pytest.raises(ValueError, match=match):
+            bench_layer.variant_config(bad, x)
+
+
+# ---------------------------------------------------------------- benchmarks/
+
+
 def test_bench_layer_tiny(tmp_path):
+    """bench_layer.py --tiny on the CPU: every implementation checked against torch_grouped_mm and timed, for
+    both shapes, scopes and passes; records as the docstring lists them."""
     out = tmp_path / "records.json"
-    run_script("bench_layer.py", "--tiny", "--impls", "serval,torch_grouped_mm,hf_loop", "--iters", "2",
-               "--warmup", "1", "--soak", "0.1", "--out", str(out))
-    records = json.load(open(out))
-    routed = [r for r in records if r["scope"] != "dense"]
-    assert {r["impl"] for r in routed} == {"serval", "torch_grouped_mm", "hf_loop"}
-    for r in routed:
+    run_script(os.path.join(BENCHMARKS, "bench_layer.py"), "--tiny", "--impls", "serval,torch_grouped_mm,hf_loop",
+               "--iters", "2", "--warmup", "1", "--soak", "0.1", "--out", str(out))
+    records = [r for r in json.load(open(out)) if r["scope"] != "dense"]  # dense: the GPU's matmul ceiling
+    assert {(r["shape"], r["scope"], r["pass"]) for r in records} == {
+        (s, scope, ps) for s in ("tiny-a", "tiny-b") for scope in ("routed", "layer") for ps in ("fwd", "fwdbwd")
+        if scope == "routed" or shapes.TINY_SHAPES[s].shared}
+    assert {r["impl"] for r in records} == {"serval", "torch_grouped_mm", "hf_loop"}
+    for r in records:
         assert r["error"] is None and r["ms"] > 0 and r["tflops"] > 0, r
-        assert r["rel_err"] < 3e-2 and r["soak_s"] == 0.1
+        assert r["rel_err"] < 3e-2 and r["soak_s"] == 0.1 and r["settings"] is None
 
 
-@pytest.mark.skipif(CUDA, reason="--tiny runs the kernels in the CPU interpreter")
-def test_kernel_stages_tiny():
-    assert "all within rel err" in run_script("kernel_stages.py", "--tiny")
+def test_bench_layer_tiny_variant(tmp_path):
+    """bench_layer.py --variant: serval with the variant's Config (here its kernels, in the interpreter), recorded
+    as "serval (NAME)" with its settings, checked and timed like the others."""
+    out = tmp_path / "records.json"
+    run_script(os.path.join(BENCHMARKS, "bench_layer.py"), "--tiny", "--impls", "serval,torch_grouped_mm",
+               "--shapes", "tiny-a", "--scopes", "layer", "--passes", "fwdbwd", "--warmup", "0", "--iters", "1",
+               "--soak", "0", "--variant", KERNELS, "--out", str(out))
+    records = {r["impl"]: r for r in json.load(open(out)) if r["scope"] != "dense"}
+    assert list(records) == ["serval", "serval (kernels)", "torch_grouped_mm"]
+    variant = records["serval (kernels)"]
+    assert variant["settings"] == ["backend='triton'", "block_m=16", "down_tiles.num_stages=2"]
+    assert variant["error"] is None and variant["ms"] > 0 and variant["rel_err"] < 3e-2, variant
 
 
 def test_bench_ep_tiny(tmp_path):
-    """Two gloo processes on the CPU (torchrun), serval's EP layer against NCCL-style all_to_all + grouped_mm,
-    and serval with a variant (a kernel flag and a Config field)."""
+    """bench_ep.py --tiny: two gloo processes on the CPU (torchrun), serval's EP layer and a Config variant of it
+    against NCCL-style all_to_all + grouped_mm; serval's forward split into its stages, which compute serval's y."""
     out = tmp_path / "records.json"
-    run_script("bench_ep.py", "--tiny", "--out", str(out), "--variant",
-               "v: grouped_gemm.PUSH_FROM_EPILOGUE=False; config.block_m=64",
-               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    run_script(os.path.join(BENCHMARKS, "bench_ep.py"), "--tiny", "--out", str(out), "--variant", "bm64: block_m=64",
+               launcher=TORCHRUN)
     records = json.load(open(out))
-    assert {r["impl"] for r in records} == {"serval", "serval (v)", "nccl_a2a"}
-    assert all(r["error"] is None and r["ms"] > 0 for r in records)
+    assert {r["impl"] for r in records} == {"serval", "serval (bm64)", "nccl_a2a"}
+    assert all(r["error"] is None and r["ms"] > 0 and r["ep"] == 2 for r in records)
+    staged = [r for r in records if r["impl"].startswith("serval") and r["pass"] == "fwd"]
+    assert staged and all(r["rel_errs"]["y_staged"] == 0.0 and r["stage_ms"]["total"] > 0 for r in staged)
+    assert {r["shape"] for r in records} == set(shapes.EP_TINY_SHAPES)
+
+
+@pytest.mark.skipif(CUDA, reason="--tiny runs EP on the CPU (gloo), where serval's kernels need Triton's interpreter: "
+                    "off where there is a GPU (and the GPU machines' Triton 3.6 interpreter does not run them)")
+def test_bench_ep_tiny_kernels(tmp_path):
+    """bench_ep.py with variants on serval's kernels (the interpreter): the GEMMs push their rows into the peers'
+    slots from the epilogue, with pull_programs the gate/up GEMM pulls its own rows, and either way the
+    stage-by-stage forward gives serval.moe's y bit for bit."""
+    out = tmp_path / "records.json"
+    run_script(os.path.join(BENCHMARKS, "bench_ep.py"), "--tiny", "--shapes", "tiny-b", "--scopes", "routed",
+               "--passes", "fwd", "--warmup", "0", "--iters", "1", "--variant", KERNELS, "--variant",
+               "pull: backend='triton'; block_m=16; pull_programs=2", "--out", str(out), launcher=TORCHRUN)
+    records = {r["impl"]: r for r in json.load(open(out))}
+    for impl, stages in [("serval (kernels)", {"dispatch", "gate_up"}), ("serval (pull)", {"dispatch+gate_up"})]:
+        variant = records[impl]
+        assert variant["error"] is None and variant["rel_err"] < 3e-2 and variant["rel_errs"]["y_staged"] == 0.0
+        assert set(variant["stage_ms"]) == {"schedule", "down_combine", "total"} | stages, variant
+
+
+def test_shell_scripts_parse():
+    """run_ep.sh and install_sonicmoe.sh are valid bash (they run only on the GPU machines)."""
+    for script in ("run_ep.sh", "install_sonicmoe.sh"):
+        result = subprocess.run(["bash", "-n", os.path.join(BENCHMARKS, script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- tools/
 
 
 def test_layer_variants_tiny(tmp_path):
+    """tools/layer_variants.py --tiny: the default and two variants (the kernels in the interpreter; a Config
+    field) timed in rounds, each compared with the default's outputs."""
     out = tmp_path / "records.json"
-    run_script("layer_variants.py", "--tiny", "--shapes", "tiny-a", "--rounds", "1", "--iters", "2", "--soak", "0",
-               "--variant", "triton dgrad: grouped_gemm.WARP_SPECIALIZED=False", "--out", str(out))
+    run_script(os.path.join(TOOLS, "layer_variants.py"), "--tiny", "--shapes", "tiny-b", "--rounds", "1",
+               "--warmup", "0", "--iters", "1", "--soak", "0", "--variant", KERNELS, "--variant", "bm32: block_m=32",
+               "--out", str(out))
     records = json.load(open(out))
-    assert [r["variant"] for r in records] == ["serval", "triton dgrad"] and all(r["ms"] > 0 for r in records)
+    assert [r["variant"] for r in records] == ["serval", "kernels", "bm32"]
+    assert all(r["ms"] > 0 and r["rel_err"] < 3e-2 for r in records), records
+    assert records[0]["rel_err"] == 0.0 and records[2]["settings"] == ["block_m=32"]
 
 
-def test_layer_variants_settings_undone():
-    """A setting reaches a frozen TileConfig inside CONFIGS, and undo restores every touched module attribute."""
-    sys.path.insert(0, BENCHMARKS)
-    import layer_variants
-    from serval.kernels import grouped_gemm
-
-    before = (grouped_gemm.WARP_SPECIALIZED, grouped_gemm.CONFIGS["hopper"]["down"])
-    name, settings = layer_variants.parse_variant("v: grouped_gemm.CONFIGS.hopper.down.num_stages=5; "
-                                                  "grouped_gemm.WARP_SPECIALIZED=False")
-    saved = layer_variants.apply(settings)
-    try:
-        assert name == "v" and grouped_gemm.CONFIGS["hopper"]["down"].num_stages == 5
-        assert grouped_gemm.WARP_SPECIALIZED is False
-    finally:
-        layer_variants.undo(saved)
-    assert (grouped_gemm.WARP_SPECIALIZED, grouped_gemm.CONFIGS["hopper"]["down"]) == before
-    with pytest.raises(ValueError, match="no '='"):
-        layer_variants.parse_variant("v: grouped_gemm.WARP_SPECIALIZED")
-
-
-def test_kernel_pingpong():
-    """On the CPU it declines; on an H200 it checks the ping-pong kernel against serval's Triton kernel."""
-    out = run_script("kernel_pingpong.py", "--shapes", "qwen3-30b-a3b", "--soak", "0.1")
-    assert "not run" in out or "all checks passed" in out
-
-
-def test_kernel_pingpong_compile_only():
-    """Without Triton 3.6 it declines; with it (any machine) it compiles the kernel for sm_90a, no spills."""
-    out = run_script("kernel_pingpong.py", "--compile-only", env={"TRITON_INTERPRET": "0"})  # the real compiler
-    assert "not run" in out or (out.count("spills     0") == 1 and "dgrad + SwiGLU backward" in out)
-
-
-def test_kernel_coop():
-    """On the CPU it declines; on an H200 it checks the cooperative kernel against serval's Triton kernel."""
-    out = run_script("kernel_coop.py", "--shapes", "qwen3-30b-a3b", "--soak", "0.1")
-    assert "not run" in out or "all checks passed" in out
-
-
-def test_kernel_coop_compile_only():
-    """Without Triton 3.6 it declines; with it (any machine) it compiles both gate/up loaders, down and the gate/up
-    dgrad for sm_90a, no spills."""
-    out = run_script("kernel_coop.py", "--compile-only", env={"TRITON_INTERPRET": "0"})  # the real compiler
-    assert "not run" in out or out.count("'0 bytes spill stores'") == 4
+def test_kernel_stages_tiny():
+    """tools/kernel_stages.py --tiny: every stage (GEMMs per plan, weight gradients, row kernels) in the
+    interpreter, within tolerance of its torch stage; a --variant plan is a column of its own."""
+    out = run_script(os.path.join(TOOLS, "kernel_stages.py"), "--tiny", "--variant",
+                     "small tiles: gate_up_tiles.block_n=16; down_dgrad_tiles.num_stages=2")
+    assert "all within rel err" in out
+    for stage in ("gate_up_swiglu", "down", "down_dgrad_swiglu", "gate_up_dgrad"):
+        assert re.search(rf"{stage} +small tiles ", out), stage
+    for stage in ("gate_up_weight_grad", "down_weight_grad", "gather", "combine", "sum_slots"):
+        assert stage in out
 
 
 def test_ncu_layer_parse():
     """ncu's --csv rows (one per launch and metric) -> one row per kernel: sums, time-weighted means."""
-    sys.path.insert(0, BENCHMARKS)
     import ncu_layer
 
     header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
@@ -124,24 +219,26 @@ def test_ncu_layer_parse():
     assert list(launches) == ["  0 gemm", "  1 gemm", "  2 gather"] and launches["  1 gemm"]["tensor_pct"] == 40.0
 
 
+NCU = shutil.which("ncu") or (os.path.exists("/usr/local/cuda/bin/ncu") and "/usr/local/cuda/bin/ncu")
+
+
+@pytest.mark.skipif(not (CUDA and NCU), reason="ncu_layer.py needs a CUDA GPU and Nsight Compute (ncu)")
 def test_ncu_layer(tmp_path):
-    """Without a GPU or ncu it declines; with them it profiles the tiny shape's kernels."""
-    out = run_script("ncu_layer.py", "--shapes", "tiny-a", "--impls", "serval", "--out", str(tmp_path / "n.json"))
-    if "not run" in out:
-        return
-    assert os.path.exists(tmp_path / "n.json"), out
+    """tools/ncu_layer.py profiles every kernel of the tiny shape's forward + backward under ncu."""
+    out = run_script(os.path.join(TOOLS, "ncu_layer.py"), "--shapes", "tiny-a", "--impls", "serval", "--out",
+                     str(tmp_path / "n.json"))
     records = json.load(open(tmp_path / "n.json"))
     assert records and all(r["ms"] > 0 for r in records), out
 
 
 @pytest.mark.skipif(not CUDA, reason="symmetric memory needs a CUDA GPU")
 def test_ep_ceilings_one_gpu(tmp_path, monkeypatch):
-    """Two processes on one GPU (correctness of the transfers only; the figures mean nothing there)."""
+    """tools/ep_ceilings.py: two processes on one GPU, every transfer checked against the peers' data (the figures
+    mean nothing there)."""
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     out = tmp_path / "records.json"
-    run_script("ep_ceilings.py", "--one-gpu", "--rows", "300", "--hidden", "136", "--warmup", "1", "--iters", "2",
-               "--comm-programs", "3", "--out", str(out),
-               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    run_script(os.path.join(TOOLS, "ep_ceilings.py"), "--one-gpu", "--rows", "300", "--hidden", "136", "--warmup", "1",
+               "--iters", "2", "--comm-programs", "3", "--out", str(out), launcher=TORCHRUN)
     records = json.load(open(out))
     assert {r["impl"] for r in records} == {"pull", "push", "ce_read", "local", "comm3"}
     assert all(r["checked"] and r["ms"] > 0 for r in records)

@@ -8,9 +8,10 @@ what serval's dispatch (pull) and combine (push) could reach at best, beside wha
   push      serval's push kernel (transport.symm.push_rows): every row written into a peer's buffer
   ce_read   the copy engines: local.copy_(peer's buffer), one peer after another (cudaMemcpy peer-to-peer)
   local     the pull kernel reading this GPU's own buffer: the HBM copy rate of the same kernel
-  comm<G>   the gate/up GEMM's communication programs alone (grouped_gemm._pull_tiles, PULL_PROGRAMS = G):
-            G persistent programs pulling the same rows 128 at a time, as they do inside the GEMM; how many
-            SMs a dispatch under the GEMM needs (--comm-programs; --comm-block-c columns a step)
+  comm<G>   the gate/up GEMM's communication programs alone (serval.kernels.in_gemm_pull.pull_tiles, as a plan
+            with pull_programs = G runs them): G persistent programs pulling the same rows 128 at a time, as they
+            do inside the GEMM; how many SMs a dispatch under the GEMM needs (--comm-programs; --comm-block-c
+            columns a step, default KernelPlan().pull_block_c)
 
 R = --rows remote rows per GPU (the MoE message: N * k * (P - 1) / P rows of H, e.g. 4096 tokens, k = 8 at
 EP=8 is ~28k rows), H = --hidden. GB/s = R * H * 2 bytes moved across GPUs (local: copied) per GPU and
@@ -19,8 +20,8 @@ ranks). Two modes: "all" (every rank moves at once: NVLink busy both ways, as in
 alone, the others wait: one direction). No barriers inside the timed calls: the kernels alone.
 Each transfer is checked once against the peers' data before it is timed.
 
-  torchrun --nproc-per-node 8 benchmarks/ep_ceilings.py          # -> benchmarks/results/h200x8_ceilings.json
-  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 torchrun --nproc-per-node 2 benchmarks/ep_ceilings.py --one-gpu \
+  torchrun --nproc-per-node 8 tools/ep_ceilings.py               # -> benchmarks/results/h200x8_ceilings.json
+  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 torchrun --nproc-per-node 2 tools/ep_ceilings.py --one-gpu \
       --rows 512 --iters 3                                       # smoke test on one GPU (figures meaningless)
 """
 
@@ -33,15 +34,20 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import argparse
 import json
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
-import bench_layer  # puts this checkout's serval first on the path
-from serval.kernels import grouped_gemm
-from serval.transport import symm
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+sys.path.insert(0, os.path.dirname(RESULTS))
+import bench_layer  # noqa: E402  (puts this checkout's serval first on the path)
+
+from serval.kernels import in_gemm_pull  # noqa: E402
+from serval.plan import KernelPlan  # noqa: E402
+from serval.transport import symm  # noqa: E402
 
 IMPLS = ["nccl_a2a", "pull", "push", "ce_read", "local"]
 COMM_BLOCK_M = 128  # rows per step of a communication program (the gate/up GEMM's M-tile)
@@ -51,8 +57,12 @@ COMM_BLOCK_M = 128  # rows per step of a communication program (the gate/up GEMM
 def _comm_programs_kernel(table_ptr, row_source_ptr, out_ptr, flags_ptr, num_m_tiles, rows_per_rank, K,
                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
                           ALIGNED: tl.constexpr):
-    grouped_gemm._pull_tiles(table_ptr, row_source_ptr, out_ptr, K, flags_ptr, 1, num_m_tiles, rows_per_rank, 1, K,
-                             BLOCK_M, BLOCK_C, PROGRAMS, ALIGNED, False)
+    """The communication programs alone: epoch 1, top_k 1 (a row's source is its owner's token row), no proxy
+    fence (nothing reads the rows with TMA here)."""
+    in_gemm_pull.pull_tiles(table_ptr, row_source_ptr, out_ptr, K, flags_ptr, 1, num_m_tiles, rows_per_rank, 1, K,
+                            BLOCK_M, BLOCK_C, PROGRAMS, ALIGNED, False)
+
+
 MODES = ["all", "one"]
 
 
@@ -74,7 +84,7 @@ def pattern(owner, row, hidden):
     return ((row[:, None] * hidden + col + owner[:, None] * 7) % 251).to(torch.bfloat16)
 
 
-def transfers(rows, hidden, rank, world_size, device, group, comm_programs=(), comm_block_c=None):
+def transfers(rows, hidden, rank, world_size, device, group, comm_programs, comm_block_c):
     """(rows, {impl: (fn, check)}): fn() moves the rows once; check() moves them and says whether they are right.
     Remote row r of this rank belongs to peer (rank + 1 + r % (P - 1)) % P: the peers in turn."""
     share = rows // (world_size - 1)  # rows per peer
@@ -127,7 +137,7 @@ def transfers(rows, hidden, rank, world_size, device, group, comm_programs=(), c
 
     def comm(programs):
         _comm_programs_kernel[(programs,)](buffer.table, comm_source, comm_out, comm_flags, num_m_tiles, rows, hidden,
-                                           BLOCK_M=COMM_BLOCK_M, BLOCK_C=comm_block_c or grouped_gemm.PULL_BLOCK_C,
+                                           BLOCK_M=COMM_BLOCK_M, BLOCK_C=comm_block_c,
                                            PROGRAMS=programs,
                                            ALIGNED=buffer.aligned, num_warps=8)
 
@@ -164,8 +174,8 @@ def main():
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--comm-programs", default="4,8,16,32",
                         help="G of the comm<G> rows, comma-separated (empty: none)")
-    parser.add_argument("--comm-block-c", type=int, default=grouped_gemm.PULL_BLOCK_C,
-                        help="columns a communication program moves per step (grouped_gemm.PULL_BLOCK_C)")
+    parser.add_argument("--comm-block-c", type=int, default=KernelPlan().pull_block_c,
+                        help="columns a communication program moves per step (default: KernelPlan's pull_block_c)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--one-gpu", action="store_true",
@@ -216,8 +226,7 @@ def main():
                     print(f"{impl:<9}{mode:<5}{rows:>7} rows {mbytes:8.1f} MB {ms:8.3f} ms {rec['gbps']:7.1f} GB/s"
                           f"{'' if ok else '  WRONG DATA'}", flush=True)
     if rank == 0:
-        out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                       f"h200x{world_size}_ceilings.json")
+        out = args.out or os.path.join(RESULTS, f"h200x{world_size}_ceilings.json")
         old = json.load(open(out)) if os.path.exists(out) else []
         with open(out, "w") as f:
             json.dump(old + records, f, indent=1)

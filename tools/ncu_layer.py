@@ -1,7 +1,7 @@
 """Hardware counters for every kernel of one forward + backward step (Nsight Compute), per implementation.
 
-    python benchmarks/ncu_layer.py --shapes qwen3-30b-a3b,kimi-k2 --impls serval
-    source benchmarks/install_sonicmoe.sh && python benchmarks/ncu_layer.py --impls serval,sonicmoe
+    python tools/ncu_layer.py --shapes qwen3-30b-a3b,kimi-k2 --impls serval
+    source benchmarks/install_sonicmoe.sh && python tools/ncu_layer.py --impls serval,sonicmoe
 
 For each (shape, implementation) this script runs itself under `ncu` (on PATH or in /usr/local/cuda/bin):
 the child process runs warm-up steps (compiles, autotunes), then one forward + backward between
@@ -14,7 +14,7 @@ ncu leaves the clocks alone here (--clock-control none, as the device notes ask)
 once per metric pass on an otherwise idle GPU: kernels run near the idle boost clock, not at the 700 W cap
 that bench_layer's timings include, so the times are not the layer's; the percentages and bytes are what
 carry over. Needs a GPU whose runtime lets ncu read the counters (the nvidia-h200 kind does); elsewhere it
-prints "not run".
+says so and exits with status 2.
 """
 
 import argparse
@@ -29,7 +29,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
 from bench_layer import SHAPES, TINY_SHAPES, load_impl, make_inputs, make_params, pass_fn  # noqa: E402
 
 # (column, ncu metric, how a kernel's calls combine: "sum" or "time" = time-weighted mean)
@@ -167,13 +168,12 @@ def main():
     parser.add_argument("--per-launch", action="store_true",
                         help="one row per kernel launch, in launch order (default: per kernel, summed over its calls)")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per (shape, implementation)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "h200_ncu.json"))
+    parser.add_argument("--out", default=os.path.join(BENCHMARKS, "results", "h200_ncu.json"))
     args = parser.parse_args()
     ncu = find_ncu()
     if not torch.cuda.is_available() or ncu is None:
-        print(f"ncu_layer: needs a CUDA GPU and Nsight Compute (ncu: {ncu or 'not found'}); not run")
-        return 0
+        print(f"ncu_layer: needs a CUDA GPU and Nsight Compute (ncu: {ncu or 'not found'}); not run", file=sys.stderr)
+        return 2
     import triton
 
     info = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
