@@ -131,6 +131,11 @@ def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, s
         _check_shape("shared[1] (ws_up)", ws_up, (shared_inter, hidden), " (the shape of ws_gate, [Is, H])")
         _check_tensor("shared[2] (ws_down)", ws_down, "[H, Is]", (x.dtype,), x.device, dtype_of_x)
         _check_shape("shared[2] (ws_down)", ws_down, (hidden, shared_inter), " ([H, Is], from x and ws_gate)")
+    check_swiglu_limit(swiglu_limit)
+
+
+def check_swiglu_limit(swiglu_limit) -> None:
+    """swiglu_limit must be None or a positive finite number (a bool is not one)."""
     if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
                                      or not 0 < swiglu_limit < float("inf")):
         raise ValueError(f"swiglu_limit must be None or a positive finite float, got {swiglu_limit!r}")

@@ -186,6 +186,8 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device,
                        capacity_rows(num_tokens * top_k, num_experts, config.block_m), id=ident)
     else:
+        from .kernels.in_gemm_pull import new_flags
+
         if device.type == "cuda":
             from .transport.symm import SymmetricMemoryTransport
 
@@ -199,8 +201,7 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device, capacity,
                        rank=transport.rank, ep_size=ep_size, transport=transport, id=ident,
                        errors=ErrorFlags(device),
-                       pull_flags=(torch.zeros(capacity // 16 + 1, dtype=torch.int32, device=device),
-                                   torch.zeros(1, dtype=torch.int32, device=device)))
+                       pull_flags=new_flags(capacity // 16 + 1, device))
     _WORKSPACES[ident] = ws
     return ws
 

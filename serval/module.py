@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .api import FLOAT_DTYPES, moe
+from .api import FLOAT_DTYPES, check_swiglu_limit, moe
 from .config import Config
 
 
@@ -40,9 +40,7 @@ class MoE(nn.Module):
                                                      or shared_intermediate_size < 0):
             raise ValueError(f"shared_intermediate_size must be None or an int >= 0 (0: no shared expert), "
                              f"got {shared_intermediate_size!r}")
-        if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
-                                         or not 0 < swiglu_limit < float("inf")):
-            raise ValueError(f"swiglu_limit must be None or a positive finite float, got {swiglu_limit!r}")
+        check_swiglu_limit(swiglu_limit)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
         if dtype is not None and dtype not in FLOAT_DTYPES:
