@@ -77,6 +77,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from shapes import SHAPES, TINY_SHAPES  # noqa: E402
 
 IMPLS = ["serval", "torch_grouped_mm", "hf_loop", "sonicmoe"]
+PRECISIONS = ["bf16", "mxfp8", "fp8_blockwise"]
+FP8_TOL = 0.1  # an FP8 layer is timed when within this of the bf16 reference (MoK's acceptance: sum|diff|/sum|ref|)
 SCOPES = ["routed", "layer"]
 PASSES = ["fwd", "fwdbwd"]
 GIB = 2**30
@@ -527,12 +529,12 @@ def save_records(records, path):
 
 
 def latest(records):
-    """The newest record of each (shape, impl, scope, pass) measured on the GPU of the newest record."""
+    """The newest record of each (shape, impl, precision, scope, pass) measured on the GPU of the newest record."""
     gpu = records[-1]["gpu"]
     newest = {}
     for r in records:
         if r["gpu"] == gpu:
-            newest[(r["shape"], r["impl"], r["scope"], r["pass"])] = r
+            newest[(r["shape"], r["impl"], r.get("precision", "bf16"), r["scope"], r["pass"])] = r
     return list(newest.values())
 
 
@@ -546,8 +548,14 @@ def grid(records, ps, sc):
     """shapes, impls and {(shape, impl): TFLOP/s} of one panel."""
     rs = [r for r in records if (r["pass"], r["scope"]) == (ps, sc)]
     shapes = list(dict.fromkeys(r["shape"] for r in rs))
-    impls = list(dict.fromkeys(r["impl"] for r in rs))
-    return shapes, impls, {(r["shape"], r["impl"]): r["tflops"] for r in rs}
+    impls = list(dict.fromkeys(impl_label(r) for r in rs))
+    return shapes, impls, {(r["shape"], impl_label(r)): r["tflops"] for r in rs}
+
+
+def impl_label(record):
+    """The implementation as tables and charts name it: serval's FP8 precisions as "serval mxfp8"."""
+    precision = record.get("precision", "bf16")
+    return record["impl"] if precision == "bf16" else f"{record['impl']} {precision}"
 
 
 def print_table(records):
@@ -575,7 +583,7 @@ def plot(records, path):
         print("no matplotlib: no plot")
         return
     keys = panels(records)
-    all_impls = sorted({r["impl"] for r in records})  # one colour per implementation across panels
+    all_impls = sorted({impl_label(r) for r in records})  # one colour per implementation across panels
     ceiling = next((r for r in reversed(records) if r["scope"] == "dense" and r["tflops"]), None)
     fig, axes = plt.subplots(len(keys), 1, figsize=(12, 3.6 * len(keys)), squeeze=False)
     for ax, (ps, sc) in zip(axes[:, 0], keys):
@@ -617,16 +625,20 @@ def pass_fn(impl, p, topk_ids, dy, ps):
     return lambda: torch.autograd.grad(impl(p, topk_ids), list(p.values()), dy)
 
 
-def bench_impl(name, impl, prepare, settings, inp, ref, shape_name, scope, passes, args, device, info, monitor):
+def bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, scope, passes, args, device, info,
+               monitor):
     """Check one implementation against the reference (its first call also compiles and autotunes),
-    then time each pass. Returns its records (settings: a variant's, recorded)."""
+    then time each pass. Returns its records (settings: a variant's, recorded; precision: of serval's routed
+    experts, "bf16" for every other implementation)."""
     shape = inp["shape"]
     topk_ids, dy = inp["topk_ids"], inp["dy"]
     p = make_params(inp, scope)
     p = prepare(p) if prepare else p
     tag = f"{shape_name:<16} {scope:<6} {name:<17}"
+    label = name.split(" ")[0] if precision != "bf16" else name  # "serval mxfp8" is impl serval, precision mxfp8
+    tol = max(args.tol, FP8_TOL) if precision != "bf16" else args.tol
     settings = [f"{path}={value!r}" for path, value in settings] if settings is not None else None
-    records = [dict(shape=shape_name, impl=name, settings=settings, scope=scope, **{"pass": ps}, ms=None, tflops=None,
+    records = [dict(shape=shape_name, impl=label, precision=precision, settings=settings, scope=scope, **{"pass": ps}, ms=None, tflops=None,
                     saved_mem_gib=None, peak_mem_gib=None, rel_err=None, rel_errs=None, error=None, soak_s=args.soak,
                     sm_clock_mhz=None, power_w=None, **info)
                for ps in passes]
@@ -642,8 +654,8 @@ def bench_impl(name, impl, prepare, settings, inp, ref, shape_name, scope, passe
     for rec in records:
         ps = rec["pass"]
         rec["rel_err"], rec["rel_errs"] = err, errs
-        if not err <= args.tol:
-            print(f"{tag} {ps:<6} MISMATCH (rel_err {err:.2e} > tol {args.tol}): not timed")
+        if not err <= tol:
+            print(f"{tag} {ps:<6} MISMATCH (rel_err {err:.2e} > tol {tol}): not timed")
             rec["error"] = "mismatch"
             continue
         fn = pass_fn(impl, p, topk_ids, dy, ps)
@@ -681,6 +693,9 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, seconds (on the CPU where there is no GPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--report-only", action="store_true", help="measure nothing: table (and --plot) of --out")
+    parser.add_argument("--precisions", default="bf16",
+                        help=f"comma-separated precisions of serval's routed experts ({', '.join(PRECISIONS)}): each "
+                             "other than bf16 runs too, recorded as impl serval with that precision")
     parser.add_argument("--variant", action="append", default=[],
                         help="'NAME: FIELD=VALUE; ...': serval with these KernelPlan / Config fields, too, as impl "
                              "'serval (NAME)' (see above)")
@@ -697,12 +712,16 @@ def main():
     for given, known in [(shape_names, table), (args.impls.split(","), IMPLS), (scopes, SCOPES), (passes, PASSES)]:
         if set(given) - set(known):
             parser.error(f"unknown {sorted(set(given) - set(known))}; known: {', '.join(known)}")
-    impls = {} if args.report_only else {n: (*impl, None) for n in args.impls.split(",")
+    precisions = args.precisions.split(",")
+    if set(precisions) - set(PRECISIONS):
+        parser.error(f"--precisions: unknown {sorted(set(precisions) - set(PRECISIONS))}; known: {', '.join(PRECISIONS)}")
+    impls = {} if args.report_only else {n: (*impl, None, "bf16") for n in args.impls.split(",")
                                          if (impl := load_impl(n, device, args))}
-    if not args.report_only:  # the variants right after serval's default
+    if not args.report_only:  # serval's other precisions, then the variants, right after serval's default
         names = list(impls)
         at = names.index("serval") + 1 if "serval" in names else len(names)
-        runs = [(f"serval ({label})", (serval_impl(settings), None, settings)) for label, settings in variants]
+        runs = [(f"serval {p}", (serval_impl((("precision", p),)), None, None, p)) for p in precisions if p != "bf16"]
+        runs += [(f"serval ({label})", (serval_impl(settings), None, settings, "bf16")) for label, settings in variants]
         impls = dict([(n, impls[n]) for n in names[:at]] + runs + [(n, impls[n]) for n in names[at:]])
     info = env_info(device)
     print(f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}; impls: {', '.join(impls)}")
@@ -716,9 +735,9 @@ def main():
             if scope == "layer" and not inp["shape"][-1]:
                 continue  # no shared expert: layer == routed
             ref = reference(torch_grouped_mm, inp, scope, passes)
-            for name, (impl, prepare, settings) in impls.items():
-                save_records(bench_impl(name, impl, prepare, settings, inp, ref, shape_name, scope, passes, args,
-                                        device, info, monitor), args.out)
+            for name, (impl, prepare, settings, precision) in impls.items():
+                save_records(bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, scope, passes,
+                                        args, device, info, monitor), args.out)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             del ref

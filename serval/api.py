@@ -39,8 +39,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import functional
-from .config import Config, check_precision_built
+from . import functional, precision
+from .config import Config
 from .functional import ErrorFlags
 from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
 
@@ -229,15 +229,18 @@ def _kept_router_weight_rows(workspace, num_tokens: int, device: torch.device, c
 
 
 _EMPTY = (0,)
+_FP8_KEPT = 4  # tensors of serval.precision.Kept
 
 
 @torch.library.custom_op("serval::moe_forward", mutates_args=())
 def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Tensor, w_up: Tensor,
                  w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                  swiglu_limit: Optional[float], config_id: int, workspace_id: int,
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns y, the five schedule tensors, the kept pre-activations (empty when recomputed) and
-    the router weights the rows use in backward (`_kept_router_weight_rows`; else empty)."""
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                            Tensor, Tensor]:
+    """Returns y, the five schedule tensors, the kept pre-activations (empty when recomputed or FP8),
+    the router weights the rows use in backward (`_kept_router_weight_rows`; else empty) and what an FP8
+    precision keeps (`serval.precision.Kept.tensors()`; empty for bf16 or when recomputed)."""
     config = config_by_id(config_id)
     workspace = _workspace(workspace_id)
     shared = _shared(ws_gate, ws_up, ws_down)
@@ -274,8 +277,9 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
     y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down, shared, config=config,
                                 swiglu_limit=swiglu_limit, workspace=workspace,
                                 all_router_weights=kept_router_weights if workspace is not None else None)
+    kept_fp8 = ctx.kept.tensors() if ctx.kept is not None else (None,) * _FP8_KEPT
     kept = [t if t is not None else x.new_empty(_EMPTY)
-            for t in (ctx.gate_up, ctx.shared_gate_up, kept_router_weights)]
+            for t in (ctx.gate_up, ctx.shared_gate_up, kept_router_weights, *kept_fp8)]
     return (y, *schedule.tensors(), *kept)
 
 
@@ -294,13 +298,18 @@ def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
                 x.new_empty(ep_size * num_tokens, top_k, **i32), x.new_empty(capacity // block_m, **i32))
     # the kept pre-activations are packed: Schedule.num_packed rows
     recompute = config.recompute
-    gate_up = x.new_empty(_EMPTY) if recompute else x.new_empty(min(capacity, ep_size * num_tokens * top_k), 2 * inter)
+    recipe = precision.recipe_of(config.precision)
+    num_packed = min(capacity, ep_size * num_tokens * top_k)
+    gate_up = x.new_empty(_EMPTY) if recompute or recipe else x.new_empty(num_packed, 2 * inter)
+    kept_fp8 = [x.new_empty(_EMPTY) for _ in range(_FP8_KEPT)]
+    if recipe is not None and not recompute:
+        kept_fp8 = precision.kept_like(recipe, num_packed, capacity, inter, x.device)
     shared_gate_up = x.new_empty(_EMPTY)
     if ws_gate is not None and not recompute:
         shared_gate_up = x.new_empty(num_tokens, 2 * ws_gate.shape[0])
     rows = _kept_router_weight_rows(workspace, num_tokens, x.device, config)
     kept_router_weights = router_weights.new_empty(rows, top_k) if rows else x.new_empty(_EMPTY)
-    return (torch.empty_like(x), *schedule, gate_up, shared_gate_up, kept_router_weights)
+    return (torch.empty_like(x), *schedule, gate_up, shared_gate_up, kept_router_weights, *kept_fp8)
 
 
 @torch.library.custom_op("serval::moe_backward", mutates_args=())
@@ -308,6 +317,7 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
                   ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                   tokens_per_expert: Tensor, expert_offsets: Tensor, row_source: Tensor, source_row: Tensor,
                   tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, kept_router_weights: Tensor,
+                  gate_up_fp8: Tensor, gate_up_scale: Tensor, h_tokens: Tensor, h_tokens_scale: Tensor,
                   swiglu_limit: Optional[float], config_id: int, workspace_id: int,
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, and the shared expert's (empty if none)."""
@@ -320,9 +330,13 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
     shared_schedule = None if shared is None else dense_schedule(x.shape[0], config.block_m, x.device)
     if workspace is None and kept_router_weights.numel():  # EP=1 without host checks: the step's poisoned copy
         router_weights = kept_router_weights
-    ctx = functional.ForwardContext(schedule, shared_schedule, None if recompute else gate_up,
+    recipe = precision.recipe_of(config.precision)
+    kept = None
+    if recipe is not None and not recompute:
+        kept = precision.Kept.from_tensors(recipe, gate_up_fp8, gate_up_scale, h_tokens, h_tokens_scale)
+    ctx = functional.ForwardContext(schedule, shared_schedule, None if recompute or recipe else gate_up,
                                     None if recompute or shared is None else shared_gate_up, swiglu_limit,
-                                    kept_router_weights if workspace else None)
+                                    kept_router_weights if workspace else None, kept)
     grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down, shared, config=config,
                                 workspace=workspace)
     shared_grads = grads.shared or tuple(x.new_empty(_EMPTY) for _ in range(3))
@@ -383,9 +397,11 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     config = Config() if config is None else config
     if not isinstance(config, Config):
         raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
-    check_precision_built(config, "serval.moe")
     ep_size = 1 if group is None else group.size()
     validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit, ep_size)
+    recipe = precision.recipe_of(config.precision)
+    if recipe is not None:
+        precision.check_inputs(recipe, x.dtype, w_gate.shape[1], config.block_m)
     workspace_id = -1
     if ep_size > 1:
         num_tokens, top_k = topk_ids.shape

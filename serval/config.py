@@ -14,7 +14,6 @@ from typing import Literal
 from .plan import KernelPlan
 
 PRECISIONS = ("bf16", "mxfp8", "fp8_blockwise")
-BUILT_PRECISIONS = ("bf16",)
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -22,8 +21,9 @@ BACKENDS = ("auto", "triton", "torch")
 class Config:
     """How the MoE layer runs.
 
-    precision: "bf16" (built), "mxfp8" or "fp8_blockwise" (accepted here so that configs can name them;
-        serval.moe and serval.functional raise NotImplementedError until their kernels exist).
+    precision: the routed experts' GEMMs in "bf16", "mxfp8" (MoK's recipe: E4M3 with a power-of-two scale per
+        32 elements) or "fp8_blockwise" (E4M3 with fp32 scales per 1 x 128 activation and 128 x 128 weight
+        blocks; needs I % 128 == 0); see `serval.precision`. The shared expert stays in x's dtype.
     backend: "auto" picks the Triton kernels on CUDA and the torch-op path elsewhere;
         "triton" / "torch" force one (on CPU the Triton kernels run only under TRITON_INTERPRET=1, whose
         interpreter needs numpy, which the `test` extra installs).
@@ -85,10 +85,3 @@ class Config:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_precision_built(config: Config, caller: str) -> None:
-    """NotImplementedError unless `config.precision` is one whose kernels exist."""
-    if config.precision not in BUILT_PRECISIONS:
-        raise NotImplementedError(f"{caller}: Config.precision={config.precision!r} is not built yet (only "
-                                  f"{', '.join(map(repr, BUILT_PRECISIONS))} runs); use Config(precision='bf16')")

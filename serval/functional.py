@@ -37,8 +37,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import stages
-from .config import Config, check_precision_built
+from . import precision, stages
+from .config import Config
 from .schedule import (Schedule, build_schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
                        slot_schedule)
 
@@ -279,6 +279,7 @@ class ForwardContext:
     shared_gate_up: torch.Tensor | None  # [N, 2Is]
     swiglu_limit: float | None
     all_router_weights: torch.Tensor | None = None  # EP: the group's router weights [P*N, k]
+    kept: precision.Kept | None = None  # FP8 precisions: what the routed experts keep (gate_up is None then)
 
 
 class Grads(NamedTuple):
@@ -326,6 +327,14 @@ def _gemm_out(ops, gemm, cols: int, dtype, schedule: Schedule, transport):
     return _rows_out(gemm(), schedule, transport)
 
 
+def _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit):
+    """The shared expert's pre-activations [N, 2Is] and h (None, None without one)."""
+    if shared is None:
+        return None, None
+    ws_gate, ws_up, _ = _shared_weights(shared)
+    return ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, swiglu_limit)
+
+
 def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_limit, workspace):
     """Pre-activations and h of the routed experts and of the shared expert. At EP the GEMM pulls its rows
     from the owners itself where the backend can (`pull_into`), else they are pulled first."""
@@ -337,11 +346,7 @@ def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_lim
     else:  # at EP=1 the stage gathers x's rows itself (a gather pass, or its GEMM's loader)
         x_rows = None if transport is None else transport.pull(x, schedule.row_source)
         gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, a_rows=x_rows)
-    shared_gate_up = shared_h = None
-    if shared is not None:
-        ws_gate, ws_up, _ = _shared_weights(shared)
-        shared_gate_up, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, swiglu_limit)
-    return gate_up, h, shared_gate_up, shared_h
+    return (gate_up, h, *_shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit))
 
 
 def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=None, *,
@@ -351,37 +356,57 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     """y = shared(x) + routed experts combined in slot order; returns (y, what backward needs).
 
     At EP: `workspace` of the group, `schedule` and `all_router_weights` from `build_ep_schedule`.
+    The routed experts run in `config.precision` (`serval.precision`), the shared expert in x's dtype.
     """
     config = config or Config()
-    check_precision_built(config, "serval.functional.forward")
+    recipe = precision.recipe_of(config.precision)
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
     if shared is not None:
         shared_schedule = shared_schedule or dense_schedule(x.shape[0], schedule.block_m, x.device)
-    gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
-                                                    swiglu_limit, workspace)
     shared_out = None
+    if recipe is None:
+        gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
+                                                        swiglu_limit, workspace)
+        kept = None
+    else:
+        precision.check_inputs(recipe, x.dtype, w_gate.shape[1], schedule.block_m)
+        out, kept = precision.forward(ops, recipe, _rows_in(ops, x, schedule, transport), w_gate, w_up, w_down,
+                                      schedule, swiglu_limit)
+        gate_up = None
+        shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
     if shared is not None:
         shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
-    token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
-                                           w_down.shape[1], h.dtype, schedule, transport)
+    if recipe is None:
+        token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
+                                               w_down.shape[1], h.dtype, schedule, transport)
+    else:
+        token_rows, token_schedule = _rows_out(out, schedule, transport)
     y = ops.combine(token_rows, router_weights, token_schedule, shared_out)
     keep = not config.recompute
     ctx = ForwardContext(schedule, shared_schedule, gate_up if keep else None,
-                         shared_gate_up if keep else None, swiglu_limit, all_router_weights)
+                         shared_gate_up if keep else None, swiglu_limit, all_router_weights,
+                         kept if keep else None)
     return y, ctx
 
 
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
-                              config: Config | None = None, workspace: Workspace | None = None) -> ForwardContext:
-    """Fill in the pre-activations a `Config(recompute=True)` forward did not keep."""
-    check_precision_built(config or Config(), "serval.functional.recompute_forward_context")
-    if ctx.gate_up is not None:
+                              config: Config | None = None, workspace: Workspace | None = None,
+                              w_down=None) -> ForwardContext:
+    """Fill in what a `Config(recompute=True)` forward did not keep (the FP8 precisions need w_down)."""
+    config = config or Config()
+    recipe = precision.recipe_of(config.precision)
+    if ctx.gate_up is not None or ctx.kept is not None:
         return ctx
-    ops = select_backend(config or Config(), x, w_gate, shared)
-    gate_up, _, shared_gate_up, _ = _gate_up(ops, x, w_gate, w_up, shared, ctx.schedule, ctx.shared_schedule,
-                                             ctx.swiglu_limit, workspace)
-    return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
+    ops = select_backend(config, x, w_gate, shared)
+    if recipe is None:
+        gate_up, _, shared_gate_up, _ = _gate_up(ops, x, w_gate, w_up, shared, ctx.schedule, ctx.shared_schedule,
+                                                 ctx.swiglu_limit, workspace)
+        return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
+    _, kept = precision.forward(ops, recipe, _rows_in(ops, x, ctx.schedule, _transport(workspace)), w_gate, w_up,
+                                w_down, ctx.schedule, ctx.swiglu_limit)
+    shared_gate_up, _ = _shared_gate_up(ops, x, shared, ctx.shared_schedule, ctx.swiglu_limit)
+    return dataclasses.replace(ctx, kept=kept, shared_gate_up=shared_gate_up)
 
 
 def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, gate_up, w_gate, w_up, w_down,
@@ -401,8 +426,7 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
                          w_gate.shape[2], d_gate_up.dtype, schedule, transport)
     d_x = ops.sum_slots(*d_x_rows, shared_d_x)
     del d_x_rows
-    d_rw_slots, slots = _rows_out(d_rw_rows[:, None], schedule, transport)
-    d_router_weights = d_rw_slots[slots.source_row.to(torch.int64), 0].to(router_weights.dtype)
+    d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
     x_rows = _rows_in(ops, x, schedule, transport)
     d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
     return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down
@@ -412,10 +436,10 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
              config: Config | None = None, workspace: Workspace | None = None) -> Grads:
     """Gradients of the layer for output gradient d_y [N, H]; see `Grads`."""
     config = config or Config()
-    check_precision_built(config, "serval.functional.backward")
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
-    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace)
+    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
+                                    w_down=w_down)
     d_y = d_y.contiguous()
     shared_d_x = shared_grads = None
     if shared is not None:  # the shared expert: every local token once, rows = tokens, never moved
@@ -425,7 +449,27 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
             ctx.swiglu_limit, None)
         shared_grads = tuple(g[0] for g in shared_grads)
     row_router_weights = router_weights if transport is None else ctx.all_router_weights
-    d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(
-        ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
-        ctx.swiglu_limit, transport, shared_d_x)
+    recipe = precision.recipe_of(config.precision)
+    if (recipe is None) != (ctx.kept is None):
+        made = "bf16" if ctx.kept is None else "an FP8 precision"
+        raise ValueError(f"serval.functional.backward: the forward context was made in {made}, not "
+                         f"{config.precision}: pass the Config of the forward")
+    if recipe is None:
+        d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(
+            ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
+            ctx.swiglu_limit, transport, shared_d_x)
+    else:
+        schedule = ctx.schedule
+        d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = precision.backward(
+            ops, recipe, _rows_in(ops, d_y, schedule, transport), _rows_in(ops, x, schedule, transport), ctx.kept,
+            row_router_weights, w_gate, w_up, w_down, schedule, ctx.swiglu_limit)
+        d_x = ops.sum_slots(*_rows_out(d_x_rows, schedule, transport), shared_d_x)
+        del d_x_rows
+        d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
     return Grads(d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_grads)
+
+
+def _router_weight_grad(d_rw_rows, router_weights, schedule: Schedule, transport):
+    """d_router_weights [N, k] from the rows' gradients [R] (fp32): each source's row, moved to its owner."""
+    d_rw_slots, slots = _rows_out(d_rw_rows[:, None], schedule, transport)
+    return d_rw_slots[slots.source_row.to(torch.int64), 0].to(router_weights.dtype)

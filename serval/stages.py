@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .ops import QuantizedTensor, dequantize
 from .schedule import Schedule, packed_index, packed_rows
 
 
@@ -147,11 +148,21 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     index = packed_index(schedule).to(torch.int64)[:, None]
     gate_up = torch.where(index >= 0, gate_up[index.clamp(min=0).squeeze(1)], 0)  # back to rows [R, 2I]
     d_h_raw = grouped_mm(d_y_rows, w_down.transpose(1, 2), schedule).to(acc)
+    return swiglu_backward(d_h_raw, gate_up, row_weights(router_weights, schedule), swiglu_limit, gate_up.dtype)
+
+
+def swiglu_backward(d_h_raw, gate_up, row_router_weights, swiglu_limit: float | None, dtype):
+    """The SwiGLU backward of rows: d_h_raw [R, I] (the unscaled down dgrad), gate_up [R, 2I] (the
+    pre-activations), row_router_weights [R]; computed in gate_up's accumulator dtype.
+    Returns (d_gate_up [R, 2I] and h_weighted = rw * h [R, I] in `dtype`, d_rw_rows = <d_h_raw, h> [R] fp32),
+    h rounded to `dtype` first, exactly the h the forward fed to the down GEMM."""
+    acc = accumulator_dtype(gate_up.dtype)
+    d_h_raw = d_h_raw.to(acc)
     gate, up, sig = _swiglu_parts(gate_up, swiglu_limit)
     silu = gate * sig
-    h = (silu * up).to(gate_up.dtype).to(acc)  # exactly the h the forward fed to the down GEMM
+    h = (silu * up).to(dtype).to(acc)
     d_rw_rows = (d_h_raw * h).sum(dim=-1)
-    rw = row_weights(router_weights, schedule).to(acc)[:, None]
+    rw = row_router_weights.to(acc)[:, None]
     d_h = d_h_raw * rw
     d_gate = d_h * up * sig * (1 + gate * (1 - sig))
     d_up = d_h * silu
@@ -160,8 +171,8 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
         pre_gate, pre_up = gate_up.to(acc).chunk(2, dim=-1)
         d_gate = d_gate * (pre_gate <= swiglu_limit)
         d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit))
-    d_gate_up = torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)
-    return d_gate_up, (h * rw).to(gate_up.dtype), d_rw_rows
+    d_gate_up = torch.cat([d_gate, d_up], dim=-1).to(dtype)
+    return d_gate_up, (h * rw).to(dtype), d_rw_rows
 
 
 def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule):
@@ -190,3 +201,17 @@ def gate_up_weight_grad(d_gate_up, x, schedule: Schedule, *, x_rows=None):
 def down_weight_grad(d_y_rows, h_weighted, schedule: Schedule):
     """d_w_down [E, H, I] = d_y_rows[seg].T @ (rw * h)[seg]."""
     return weight_grad(d_y_rows, h_weighted, schedule)
+
+
+# ---------------------------------------------------------------- block-scaled FP8 GEMMs (serval.precision)
+
+def fp8_grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule) -> torch.Tensor:
+    """out[r] = a[r] @ b[e(r)].T from block-scaled FP8 operands, a [R, K], b [E, N, K] (K-contiguous, as
+    `serval.ops.quantize` stores them): dequantized to fp32 and multiplied in fp32; bf16 [R, N]."""
+    return grouped_mm(dequantize(a), dequantize(b), schedule).to(torch.bfloat16)
+
+
+def fp8_weight_grad(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule) -> torch.Tensor:
+    """dW[e] = sum over expert e's rows of a[:, r] b[:, r]^T from operands stored along tokens, a [M, R],
+    b [N, R]: dequantized to fp32, multiplied in fp32; bf16 [E, M, N]."""
+    return weight_grad(dequantize(a).t(), dequantize(b).t(), schedule).to(torch.bfloat16)

@@ -22,8 +22,8 @@ N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
 SWIGLU_LIMIT = 0.9
 
 
-def problem(world_size, kind, num_tokens, seed=0):
-    x, weights, shared = make_layer(world_size * num_tokens, H, I, E, shared_inter=SHARED, seed=seed)
+def problem(world_size, kind, num_tokens, seed=0, inter=I):
+    x, weights, shared = make_layer(world_size * num_tokens, H, inter, E, shared_inter=SHARED, seed=seed)
     rw, ids = make_routing(world_size * num_tokens, E, K, kind=kind, seed=seed)
     d_y = torch.randn(world_size * num_tokens, H, generator=torch.Generator().manual_seed(seed + 1))
     return x, rw, ids, weights, shared, d_y
@@ -35,12 +35,16 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
     return (y.detach(), *torch.autograd.grad(y, inputs, d_y))
 
 
-def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs):
+def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs,
+           precision="bf16", inter=I):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
         group = dist.group.WORLD
-        x, rw, ids, weights, shared, d_y = problem(world_size, kind, num_tokens)
+        x, rw, ids, weights, shared, d_y = problem(world_size, kind, num_tokens, inter=inter)
+        if precision != "bf16" and device == "cpu":  # the FP8 precisions take bf16 inputs
+            x, d_y = x.bfloat16(), d_y.bfloat16()
+            weights, shared = [w.bfloat16() for w in weights], tuple(w.bfloat16() for w in shared)
         if device != "cpu":  # "cuda": every rank on the one GPU (correctness only, never timing); "cuda-per-rank"
             gpu = torch.device("cuda", rank if device == "cuda-per-rank" else 0)
             torch.cuda.set_device(gpu)
@@ -50,14 +54,14 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
             device = "cuda"
         tokens = slice(rank * num_tokens, (rank + 1) * num_tokens)
         experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
-        block_m = 128 if device == "cuda" else 16
+        block_m = 128 if device == "cuda" or precision != "bf16" else 16
         plan = None
         if pull_programs:  # the gate/up GEMM pulls its own rows: a plan with pull programs (same results)
             from serval import kernels
 
             plan = dataclasses.replace(kernels.plan_for(x), pull_programs=pull_programs)
         config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier,
-                               kernel_plan=plan)
+                               kernel_plan=plan, precision=precision)
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         if capacity_multiplier < world_size and kind == "skewed":
             if device == "cuda":  # no sync: the step is NaN, a later call raises
@@ -72,7 +76,8 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         ep = layer_grads(*local, group=group, config=config)
         again = layer_grads(*local, group=group, config=config)
         assert all(torch.equal(a, b) for a, b in zip(ep, again)), "EP run is not repeatable"
-        full = layer_grads(x, rw, ids, weights, shared, d_y, config=serval.Config(block_m=block_m, backend=backend))
+        full = layer_grads(x, rw, ids, weights, shared, d_y,
+                           config=serval.Config(block_m=block_m, backend=backend, precision=precision))
         y, d_x, d_rw, d_wg, d_wu, d_wd, *d_shared = ep
         assert torch.equal(y, full[0][tokens]), "y differs from EP=1"
         assert torch.equal(d_x, full[1][tokens]), "d_x differs from EP=1"
@@ -84,7 +89,7 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         own_shared = torch.autograd.grad(serval.reference.mlp(x[tokens], *shared_leaves, swiglu_limit=SWIGLU_LIMIT),
                                          shared_leaves, d_y[tokens])
         for got, want in zip(d_shared, own_shared):
-            assert rel_err(got, want) < (2e-2 if device == "cuda" else 1e-5)
+            assert rel_err(got, want) < (2e-2 if device == "cuda" or precision != "bf16" else 1e-5)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -142,10 +147,10 @@ def misuse_worker(rank, world_size, init_file, scenario):
 
 
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
-        pull_programs=0):
+        pull_programs=0, precision="bf16", inter=I):
     """pull_programs: KernelPlan.pull_programs in the ranks (the gate/up GEMM pulling its own rows)."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
-                           pull_programs), nprocs=world_size, join=True)
+                           pull_programs, precision, inter), nprocs=world_size, join=True)
 
 
 def push_worker(rank, world_size, init_file):
@@ -186,6 +191,11 @@ def test_ep_bitwise_equals_ep1(world_size, tmp_path):
     run(world_size, tmp_path)
 
 
+@pytest.mark.parametrize("precision,inter", [("mxfp8", I), ("fp8_blockwise", 128)])
+def test_ep_fp8_bitwise_equals_ep1(precision, inter, tmp_path):
+    run(2, tmp_path, precision=precision, inter=inter)
+
+
 def test_ep_skewed_routing_fits_with_capacity(tmp_path):
     # every token's first slot on expert 0 (rank 0): needs capacity_multiplier >= P
     run(2, tmp_path, kind="skewed", capacity_multiplier=2.0)
@@ -218,6 +228,16 @@ def test_ep_symmetric_memory_on_one_gpu(world_size, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(world_size, tmp_path, backend="auto", device="cuda")
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_blockwise"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ep_fp8_symmetric_memory_on_one_gpu(world_size, precision, tmp_path, monkeypatch):
+    """The FP8 layer at EP on the CUDA path is bitwise equal to EP=1 in the same precision."""
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    run(world_size, tmp_path, backend="auto", device="cuda", precision=precision, inter=128)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])

@@ -102,22 +102,21 @@ def test_bad_config():
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "fp8_blockwise"])
-def test_unbuilt_precision_is_not_implemented_everywhere(precision):
-    """Accepted by Config (the contract names it), refused by every entry point until its kernels exist."""
+def test_fp8_precision_errors_name_what_to_change(precision):
+    """A block_m the recipe cannot take, at every entry point; a forward context of another precision."""
     config = serval.Config(precision=precision, block_m=16)
-    inputs = layer_inputs()
-    message = f"Config.precision='{precision}' is not built yet"
-    with pytest.raises(NotImplementedError, match=re.escape(message)):
+    inputs = layer_inputs(dtype=torch.bfloat16)
+    message = "Config.block_m must be a multiple of"
+    with pytest.raises(ValueError, match=message):
         call(inputs, config=config)
     x, rw, ids, wg, wu, wd, shared = inputs.values()
     schedule = functional.build_schedule(ids, E, block_m=16)
-    with pytest.raises(NotImplementedError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=message):
         functional.forward(x, rw, schedule, wg, wu, wd, shared, config=config)
     y, ctx = functional.forward(x, rw, schedule, wg, wu, wd, shared, config=serval.Config(block_m=16))
-    with pytest.raises(NotImplementedError, match=re.escape(message)):
-        functional.backward(torch.ones_like(y), ctx, x, rw, wg, wu, wd, shared, config=config)
-    with pytest.raises(NotImplementedError, match=re.escape(message)):
-        functional.recompute_forward_context(ctx, x, wg, wu, shared, config=config)
+    with pytest.raises(ValueError, match=f"forward context was made in bf16, not {precision}"):
+        functional.backward(torch.ones_like(y), ctx, x, rw, wg, wu, wd, shared,
+                            config=serval.Config(precision=precision, block_m=128))
 
 
 # ---------------------------------------------------------------- serval.MoE

@@ -9,6 +9,9 @@ One module per engine or job:
     gluon_common.py       the Gluon version gate, descriptors and helpers both Gluon engines use
     in_gemm_pull.py       communication programs inside the gate/up GEMM (EP dispatch under the GEMM)
     weight_grad.py        the grouped weight gradients over the token axis
+    fp8_gemm.py           block-scaled FP8 grouped GEMM and weight gradient (Triton; Gluon on Hopper)
+    gluon_fp8.py          Gluon cooperative FP8 GEMM, the scales applied per 128-K step (sm_90, Triton 3.6)
+    quantize.py           FP8 quantization (serval.ops.quantize on the GPU)
     rows.py               gather, combine and slot sums (memory-bound row passes)
     swiglu.py             the SwiGLU math of every epilogue
     common.py             interpreter, target, TMA allocator, SM count, output allocation, tile order
@@ -22,7 +25,7 @@ import warnings
 import torch
 
 from ..plan import GLUON_VERSIONS, KernelPlan, choose_plan
-from . import gemm_stages
+from . import fp8_gemm, gemm_stages
 from .common import INTERPRET, target
 from .rows import combine, gather, sum_slots
 from .weight_grad import down_weight_grad, gate_up_weight_grad
@@ -61,6 +64,16 @@ class KernelStages:
 
     def gate_up_dgrad(self, *args, **kwargs):
         return gemm_stages.gate_up_dgrad(*args, plan=self.plan, **kwargs)
+
+    @staticmethod
+    def fp8_grouped_gemm(a, b, schedule):
+        """`serval.stages.fp8_grouped_gemm` on the block-scaled FP8 kernels."""
+        return fp8_gemm.grouped_gemm(a.data, a.scale, b.data, b.scale, schedule)
+
+    @staticmethod
+    def fp8_weight_grad(a, b, schedule):
+        """`serval.stages.fp8_weight_grad` on the block-scaled FP8 kernels."""
+        return fp8_gemm.weight_grad(a.data, a.scale, b.data, b.scale, schedule)
 
 
 def plan_for(x: torch.Tensor) -> KernelPlan:

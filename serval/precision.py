@@ -1,0 +1,196 @@
+"""The FP8 precisions of the routed experts (`Config.precision`): what is quantized, how, where, and what
+is kept for backward. The shared expert, the combine, the router weights (fp32) and the weight gradients'
+dtype stay as in BF16; every GEMM accumulates in fp32 and writes bf16.
+
+Two recipes (`RECIPES`), the same data flow, quantized with `serval.ops.quantize`:
+
+* "mxfp8" (MoK's recipe): E4M3 with one E8M0 (power-of-two) scale per 32 elements along the GEMM's K.
+  Hopper has no block-scaled tensor cores, and an E4M3 value times 2^k is exact in bf16, so each operand is
+  quantized and dequantized to bf16 in one pass and the BF16 engines run the GEMMs: the products and the
+  fp32 sums are those of an MXFP8 GEMM, up to accumulation order.
+* "fp8_blockwise" (the DeepSeek-V3 recipe): E4M3 with fp32 scales, 1x128 blocks for activations and
+  gradients, 128x128 for weights; the block-scaled FP8 GEMMs (`serval.kernels.fp8_gemm`) apply the scales
+  once per 128-K step. Needs I % 128 == 0 (a 128x128 weight block must not straddle w_gate and w_up) and
+  block_m % 128 == 0.
+
+Per GEMM, operand blocks run along that GEMM's K:
+
+    forward   gate/up   x rows (along H)            x  w_gate|w_up (along H)
+              down      h rows (along I)            x  w_down (along I)
+    backward  down dgrad d_y rows (along H)         x  w_down (along H)
+              gate/up dgrad d_gate_up (along I)     x  w_gate|w_up (along I)
+              w_down grad  (r * d_y) along tokens   x  h along tokens
+              w_gate|w_up grad  d_gate_up along tokens  x  x along tokens
+
+Along tokens means blocks of rows of the routed buffer: expert segments start at multiples of block_m, a
+multiple of the block, so no block spans two experts; padding rows are zero. The down dgrad takes d_y
+rows unscaled and applies the router weight r in its epilogue, as BF16 does, so that d_router_weights is
+<d_y W_down, h> with no division by r; the w_down gradient takes r * d_y, as MoK's does.
+
+Kept for backward (`Kept`): the gate/up pre-activations quantized along 2I in packed rows, and h quantized
+along tokens; x along tokens is rebuilt in backward from x (the same bits, H bytes per row not kept).
+At EP the rows are pulled in bf16 and quantized after the pull, as MoK does; the quantized values are
+then those of EP=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, NamedTuple
+
+import torch
+
+from . import stages
+from .ops import QuantizedTensor, dequantize, quantize
+from .schedule import Schedule, packed_index, packed_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One FP8 precision: E4M3 elements, `block` elements per scale along an activation's K (and along
+    tokens), `weight_block` (rows, cols) per weight scale, the scale format, and whether the GEMMs run in
+    FP8 (`fp8_gemm`) or on the BF16 engines with exactly dequantized operands."""
+
+    name: str
+    scale_format: Literal["e8m0", "fp32"]
+    block: int
+    weight_block: tuple[int, int] | None  # None: 1 x block along each GEMM's K
+    fp8_gemm: bool
+
+    def rows(self, t: torch.Tensor, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
+        """t [R, C] quantized along C; with the exact dequantized values where the GEMMs run in BF16."""
+        return quantize(t, block=(1, self.block), scale_format=self.scale_format,
+                        dequantized=not self.fp8_gemm, **kwargs)
+
+    def tokens(self, t: torch.Tensor, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
+        """t [R, C] quantized along R (tokens); stored [C, R] (K-contiguous for an FP8 weight gradient) when
+        the GEMMs run in FP8, else [R, C] with its dequantized values."""
+        return quantize(t, block=(self.block, 1), scale_format=self.scale_format, transpose=self.fp8_gemm,
+                        dequantized=not self.fp8_gemm, **kwargs)
+
+    def weight(self, w: torch.Tensor, k_dim: int):
+        """Expert weights [E, A, B] quantized for a GEMM whose K is dim `k_dim` (1 or 2).
+
+        FP8 GEMMs: 128 x 128 blocks (the same blocks whatever the K), stored [E, N, K] (transposed when K is
+        dim 1). BF16 GEMMs: the dequantized bf16 weight in w's layout, blocks along K."""
+        if self.fp8_gemm:
+            q, _ = quantize(w, block=self.weight_block, scale_format=self.scale_format, transpose=k_dim == 1)
+            return q
+        block = (1, self.block) if k_dim == 2 else (self.block, 1)
+        return quantize(w, block=block, scale_format=self.scale_format, dequantized=True)[1]
+
+
+RECIPES = {
+    "mxfp8": Recipe("mxfp8", "e8m0", 32, None, fp8_gemm=False),
+    "fp8_blockwise": Recipe("fp8_blockwise", "fp32", 128, (128, 128), fp8_gemm=True),
+}
+
+
+def recipe_of(precision: str) -> Recipe | None:
+    """The recipe of a Config.precision, None for "bf16"."""
+    return RECIPES.get(precision)
+
+
+def check_inputs(recipe: Recipe, dtype: torch.dtype, inter: int, block_m: int) -> None:
+    """ValueError unless the recipe can run on this input dtype and these sizes (see the module docstring)."""
+    if dtype != torch.bfloat16:
+        raise ValueError(f"precision={recipe.name!r} quantizes bf16 activations: x and the weights must be "
+                         f"bfloat16, got {str(dtype).replace('torch.', '')}")
+    if block_m % recipe.block:
+        raise ValueError(f"Config.block_m must be a multiple of {recipe.block} for precision={recipe.name!r} "
+                         f"(a {recipe.block}-row block along tokens must not span two experts), got {block_m}")
+    if recipe.fp8_gemm and inter % recipe.weight_block[0]:
+        raise ValueError(f"precision={recipe.name!r} needs the expert intermediate size I (w_gate.shape[1]) to be "
+                         f"a multiple of {recipe.weight_block[0]} (a weight block must not straddle w_gate and "
+                         f"w_up), got {inter}")
+
+
+class Kept(NamedTuple):
+    """What a low-precision forward keeps for backward (see the module docstring)."""
+
+    gate_up: QuantizedTensor  # [num_packed, 2I], blocks along 2I
+    h_tokens: QuantizedTensor  # h [R, I] along tokens; stored [I, R] when the GEMMs run in FP8
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.gate_up.data, self.gate_up.scale, self.h_tokens.data, self.h_tokens.scale)
+
+    @classmethod
+    def from_tensors(cls, recipe: Recipe, gate_up, gate_up_scale, h_tokens, h_tokens_scale) -> "Kept":
+        return cls(QuantizedTensor(gate_up, gate_up_scale, (1, recipe.block), False),
+                   QuantizedTensor(h_tokens, h_tokens_scale, (recipe.block, 1), recipe.fp8_gemm))
+
+
+def kept_like(recipe: Recipe, num_packed: int, capacity: int, inter: int, device) -> tuple[torch.Tensor, ...]:
+    """Empty tensors shaped as `Kept.tensors()` (the custom op's fake implementation)."""
+    scale_dtype = torch.uint8 if recipe.scale_format == "e8m0" else torch.float32
+    fp8 = dict(dtype=torch.float8_e4m3fn, device=device)
+    blocks_2i, blocks_r = math.ceil(2 * inter / recipe.block), math.ceil(capacity / recipe.block)
+    h_shape, h_scale_shape = ((inter, capacity), (inter, blocks_r)) if recipe.fp8_gemm else \
+        ((capacity, inter), (blocks_r, inter))
+    return (torch.empty(num_packed, 2 * inter, **fp8), torch.empty(num_packed, blocks_2i, dtype=scale_dtype,
+                                                                   device=device),
+            torch.empty(h_shape, **fp8), torch.empty(h_scale_shape, dtype=scale_dtype, device=device))
+
+
+def _gate_up_weights(w_gate, w_up):
+    return torch.cat([w_gate, w_up], dim=1)  # [E, 2I, H]: gate in rows [0, I), up in [I, 2I)
+
+
+def forward(ops, recipe: Recipe, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit):
+    """The routed experts on their rows x_rows [R, H] (bf16; padding rows zero): (o [R, H] bf16, Kept)."""
+    x_q, x_deq = recipe.rows(x_rows)
+    if recipe.fp8_gemm:
+        gate_up_rows = ops.fp8_grouped_gemm(x_q, recipe.weight(_gate_up_weights(w_gate, w_up), 2), schedule)
+        h = stages.swiglu(gate_up_rows, swiglu_limit)
+        gate_up = gate_up_rows[packed_rows(schedule)]
+    else:
+        gate_up, h = ops.gate_up_swiglu(x_deq, recipe.weight(w_gate, 2), recipe.weight(w_up, 2), schedule,
+                                        swiglu_limit, a_rows=x_deq)
+    h_q, h_deq = recipe.rows(h)
+    kept = Kept(recipe.rows(gate_up)[0], recipe.tokens(h)[0])
+    if recipe.fp8_gemm:
+        out = ops.fp8_grouped_gemm(h_q, recipe.weight(w_down, 2), schedule)
+    else:
+        out = ops.down(h_deq, recipe.weight(w_down, 2), schedule)
+    return out, kept
+
+
+def backward(ops, recipe: Recipe, d_y_rows, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
+             schedule: Schedule, swiglu_limit):
+    """Gradients of the routed experts from their rows of d_y and x [R, H] (bf16) and the group's router
+    weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up, d_w_down)."""
+    dtype = x_rows.dtype
+    d_y_q, d_y_deq = recipe.rows(d_y_rows)
+    if recipe.fp8_gemm:
+        d_h_raw = ops.fp8_grouped_gemm(d_y_q, recipe.weight(w_down, 1), schedule)
+        index = packed_index(schedule).to(torch.int64)
+        gate_up = dequantize(kept.gate_up, torch.float32)  # packed rows [num_packed, 2I]
+        gate_up_rows = torch.where(index[:, None] >= 0, gate_up[index.clamp(min=0)], 0)
+        row_rw = stages.row_weights(router_weights, schedule)
+        d_gate_up, _, d_rw_rows = stages.swiglu_backward(d_h_raw, gate_up_rows, row_rw, swiglu_limit, dtype)
+    else:
+        d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, recipe.weight(w_down, 1),
+                                                        dequantize(kept.gate_up, dtype), router_weights,
+                                                        schedule, swiglu_limit)
+    d_gate_up_q, d_gate_up_deq = recipe.rows(d_gate_up)
+    if recipe.fp8_gemm:
+        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q,
+                                        recipe.weight(_gate_up_weights(w_gate, w_up), 1), schedule)
+    else:
+        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, recipe.weight(w_gate, 1), recipe.weight(w_up, 1), schedule)
+    del d_gate_up_q, d_gate_up_deq
+    # weight gradients: operands along tokens
+    row_rw = stages.row_weights(router_weights, schedule).float()
+    d_y_tokens, d_y_tokens_deq = recipe.tokens(d_y_rows, row_scale=row_rw)
+    d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
+    x_tokens, x_tokens_deq = recipe.tokens(x_rows)
+    if recipe.fp8_gemm:
+        d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule)
+        d_w_gate, d_w_up = (g.contiguous() for g in
+                            ops.fp8_weight_grad(d_gate_up_tokens, x_tokens, schedule).chunk(2, dim=1))
+    else:
+        d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule)
+        d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up_tokens_deq, x_tokens_deq, schedule,
+                                                   x_rows=x_tokens_deq)
+    return d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down

@@ -1,0 +1,162 @@
+"""The FP8 precisions of the layer (`serval.precision`) through serval.moe and serval.MoE.
+
+Against `serval.reference.moe_fp8` (the same recipe emulated in float64: relative error at bf16 level),
+against the BF16 layer (MoK's acceptance: max |diff| <= 1 and sum |diff| / sum |ref| <= 0.1), bitwise
+repeatable, recompute giving the same bits, and the inputs a recipe cannot take as clear errors.
+On CPU the torch stages run (and the kernels through Triton's interpreter); on a GPU the kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+import serval
+from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
+
+PRECISIONS = ["mxfp8", "fp8_blockwise"]
+DEVICE = "cuda" if CUDA else "cpu"
+# (N, H, I, E, k, routing): routings with an empty expert, all rows on one expert, k = 1, one token
+CASES = [
+    ("random", 96, 256, 128, 4, 2, "random"),
+    ("empty-experts", 64, 192, 128, 6, 2, "empty"),
+    ("one-expert-k1", 40, 256, 128, 4, 1, "one"),
+    ("one-token", 1, 128, 256, 4, 2, "random"),
+]
+
+
+def _inputs(num_tokens, hidden, inter, experts, top_k, kind, device=DEVICE, seed=0):
+    x, weights, _ = make_layer(num_tokens, hidden, inter, experts, device=device, dtype=torch.bfloat16, seed=seed)
+    rw, ids = make_routing(num_tokens, experts, top_k, kind=kind, device=device, seed=seed)
+    d_y = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
+    return x, rw, ids, weights, d_y
+
+
+def _layer(x, rw, ids, weights, d_y, config, swiglu_limit=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, rw, *weights)]
+    y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:], config=config, swiglu_limit=swiglu_limit)
+    return (y.detach(), *torch.autograd.grad(y, leaves, d_y))
+
+
+NAMES = ("y", "d_x", "d_router_weights", "d_w_gate", "d_w_up", "d_w_down")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_matches_the_emulated_recipe(precision, case):
+    _, n, hidden, inter, experts, top_k, kind = case
+    x, rw, ids, weights, d_y = _inputs(n, hidden, inter, experts, top_k, kind)
+    limit = 1.5 if kind == "random" else None
+    got = _layer(x, rw, ids, weights, d_y, serval.Config(precision=precision), swiglu_limit=limit)
+    want = serval.reference.moe_fp8(x.cpu(), rw.cpu(), ids.cpu(), *(w.cpu() for w in weights), d_y.cpu(),
+                                    precision=precision, swiglu_limit=limit)
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.isfinite(a.float()).all(), name
+        assert rel_err(a.cpu(), b) < 1e-2, (name, rel_err(a.cpu(), b))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_close_to_bf16_by_moks_acceptance(precision):
+    x, rw, ids, weights, d_y = _inputs(128, 256, 128, 4, 2, "random")
+    fp8 = _layer(x, rw, ids, weights, d_y, serval.Config(precision=precision))
+    bf16 = _layer(x, rw, ids, weights, d_y, serval.Config())
+    for name, a, b in zip(NAMES, fp8, bf16):
+        diff = (a.double() - b.double()).abs()
+        assert diff.sum() / b.double().abs().sum() <= 0.1, name
+        if name in ("y", "d_x"):  # O(1) values, where an absolute bound means something
+            assert diff.max() <= 1.0, name
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_bitwise_repeatable_and_recompute_gives_the_same_bits(precision):
+    x, rw, ids, weights, d_y = _inputs(96, 256, 128, 4, 2, "random")
+    first = _layer(x, rw, ids, weights, d_y, serval.Config(precision=precision))
+    again = _layer(x, rw, ids, weights, d_y, serval.Config(precision=precision))
+    recomputed = _layer(x, rw, ids, weights, d_y, serval.Config(precision=precision, recompute=True))
+    for name, a, b, c in zip(NAMES, first, again, recomputed):
+        assert torch.equal(a, b), name
+        assert torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_module_and_shared_expert(precision):
+    torch.manual_seed(0)
+    layer = serval.MoE(256, 128, 4, 2, shared_intermediate_size=128, config=serval.Config(precision=precision),
+                       device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(2, 48, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().square().mean().backward()
+    assert y.shape == x.shape and torch.isfinite(y.float()).all()
+    assert all(torch.isfinite(p.grad.float()).all() for p in layer.parameters())
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on CPU tensors need the interpreter")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_kernels_in_interpreter_match_the_torch_stages(precision):
+    x, rw, ids, weights, d_y = _inputs(40, 128, 128, 3, 2, "random", device="cpu")
+    kernels = _layer(x, rw, ids, weights, d_y, serval.Config(precision=precision, backend="triton"))
+    torch_ops = _layer(x, rw, ids, weights, d_y, serval.Config(precision=precision, backend="torch"))
+    # the interpreter's bf16 casts truncate (conftest), and FP8 quantization downstream turns a last-bit
+    # difference into a whole E4M3 step for the values it moves across a rounding boundary: a looser bound
+    for name, a, b in zip(NAMES, kernels, torch_ops):
+        assert rel_err(a, b) < 5e-2, (name, rel_err(a, b))
+
+
+def test_inputs_a_recipe_cannot_take_are_clear_errors():
+    x, rw, ids, weights, _ = _inputs(16, 128, 96, 4, 2, "random", device="cpu")
+    with pytest.raises(ValueError, match=r"I \(w_gate.shape\[1\]\) to be a multiple of 128"):
+        serval.moe(x, rw, ids, *weights, config=serval.Config(precision="fp8_blockwise"))
+    with pytest.raises(ValueError, match="block_m must be a multiple of 32"):
+        serval.moe(x, rw, ids, *weights, config=serval.Config(precision="mxfp8", block_m=16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        serval.moe(x.float(), rw, ids, *(w.float() for w in weights), config=serval.Config(precision="mxfp8"))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_torch_compile_fullgraph(precision):
+    x, rw, ids, weights, _ = _inputs(24, 128, 128, 4, 2, "random")
+    config = serval.Config(precision=precision)
+
+    def step(x, rw, wg, wu, wd):
+        return serval.moe(x, rw, ids, wg, wu, wd, config=config).float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    inputs = [t.detach().clone().requires_grad_() for t in (x, rw, *weights)]
+    eager = step(*inputs)
+    eager_grads = torch.autograd.grad(eager, inputs)
+    loss = compiled(*inputs)
+    grads = torch.autograd.grad(loss, inputs)
+    assert torch.equal(loss, eager)
+    assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_no_host_sync_and_cuda_graph(precision):
+    x, rw, ids, weights, d_y = _inputs(512, 1024, 512, 8, 2, "random")
+    config = serval.Config(precision=precision)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, rw, *weights)]
+
+    def step():
+        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:], config=config)
+        return (y, *torch.autograd.grad(y, leaves, d_y))
+
+    eager = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
