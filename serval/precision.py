@@ -43,7 +43,7 @@ import torch
 
 from . import stages
 from .ops import QuantizedTensor, dequantize, quantize
-from .schedule import Schedule, packed_index, packed_rows
+from .schedule import Schedule, packed_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +133,23 @@ def kept_like(recipe: Recipe, num_packed: int, capacity: int, inter: int, device
             torch.empty(h_shape, **fp8), torch.empty(h_scale_shape, dtype=scale_dtype, device=device))
 
 
-def _gate_up_weights(w_gate, w_up):
-    return torch.cat([w_gate, w_up], dim=1)  # [E, 2I, H]: gate in rows [0, I), up in [I, 2I)
+def _gate_up_weights(recipe: Recipe, w_gate, w_up, k_dim: int) -> QuantizedTensor:
+    """w_gate and w_up as one FP8 GEMM operand: [E, 2I, H] (K = H, forward) or [E, H, 2I] (K = I, dgrad), gate
+    first. Each is quantized on its own and the E4M3 data and scales joined (I % 128 == 0: the blocks are
+    those of the joined weight), which moves a third of the bytes of joining the bf16 weights first."""
+    gate, up = recipe.weight(w_gate, k_dim), recipe.weight(w_up, k_dim)
+    dim = 1 if k_dim == 2 else 2
+    return QuantizedTensor(torch.cat([gate.data, up.data], dim), torch.cat([gate.scale, up.scale], dim),
+                           gate.block, gate.transposed)
 
 
 def forward(ops, recipe: Recipe, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit):
     """The routed experts on their rows x_rows [R, H] (bf16; padding rows zero): (o [R, H] bf16, Kept)."""
     x_q, x_deq = recipe.rows(x_rows)
     if recipe.fp8_gemm:
-        gate_up_rows = ops.fp8_grouped_gemm(x_q, recipe.weight(_gate_up_weights(w_gate, w_up), 2), schedule)
-        h = stages.swiglu(gate_up_rows, swiglu_limit)
-        gate_up = gate_up_rows[packed_rows(schedule)]
+        gate_up_rows = ops.fp8_grouped_gemm(x_q, _gate_up_weights(recipe, w_gate, w_up, 2), schedule)
+        h = ops.swiglu(gate_up_rows, swiglu_limit)
+        gate_up = gate_up_rows[packed_rows(schedule)]  # kept packed, as BF16 keeps it
     else:
         gate_up, h = ops.gate_up_swiglu(x_deq, recipe.weight(w_gate, 2), recipe.weight(w_up, 2), schedule,
                                         swiglu_limit, a_rows=x_deq)
@@ -164,19 +170,15 @@ def backward(ops, recipe: Recipe, d_y_rows, x_rows, kept: Kept, router_weights, 
     d_y_q, d_y_deq = recipe.rows(d_y_rows)
     if recipe.fp8_gemm:
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, recipe.weight(w_down, 1), schedule)
-        index = packed_index(schedule).to(torch.int64)
-        gate_up = dequantize(kept.gate_up, torch.float32)  # packed rows [num_packed, 2I]
-        gate_up_rows = torch.where(index[:, None] >= 0, gate_up[index.clamp(min=0)], 0)
-        row_rw = stages.row_weights(router_weights, schedule)
-        d_gate_up, _, d_rw_rows = stages.swiglu_backward(d_h_raw, gate_up_rows, row_rw, swiglu_limit, dtype)
+        d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule,
+                                                       stages.row_weights(router_weights, schedule), swiglu_limit)
     else:
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, recipe.weight(w_down, 1),
                                                         dequantize(kept.gate_up, dtype), router_weights,
                                                         schedule, swiglu_limit)
     d_gate_up_q, d_gate_up_deq = recipe.rows(d_gate_up)
     if recipe.fp8_gemm:
-        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q,
-                                        recipe.weight(_gate_up_weights(w_gate, w_up), 1), schedule)
+        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, _gate_up_weights(recipe, w_gate, w_up, 1), schedule)
     else:
         d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, recipe.weight(w_gate, 1), recipe.weight(w_up, 1), schedule)
     del d_gate_up_q, d_gate_up_deq

@@ -110,14 +110,15 @@ def moe_fp8(x, router_weights, topk_ids, w_gate, w_up, w_down, d_y, *, precision
 
     d_y_rows = torch.where(used, d_y[source.clamp(min=0) // topk_ids.shape[1]], 0)
     d_h_raw = grouped(rows(d_y_rows), weight(w_down.transpose(1, 2), 2)).double()
-    gate, up, sig = parts(rows(gate_up))  # the kept pre-activations are quantized
+    kept = rows(gate_up).to(bf16)  # the kept pre-activations: quantized, dequantized to bf16
+    gate, up, sig = parts(kept)
     h_back = (gate * sig * up).to(bf16).double()
     d_rw_rows = (d_h_raw * h_back).sum(-1)
     d_h = d_h_raw * rw_rows[:, None]
     d_gate = d_h * up * sig * (1 + gate * (1 - sig))
     d_up = d_h * gate * sig
     if swiglu_limit is not None:
-        pre_gate, pre_up = rows(gate_up).chunk(2, dim=-1)
+        pre_gate, pre_up = kept.double().chunk(2, dim=-1)
         d_gate = d_gate * (pre_gate <= swiglu_limit)
         d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit))
     d_gate_up = torch.cat([d_gate, d_up], dim=-1).to(bf16)

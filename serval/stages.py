@@ -211,6 +211,19 @@ def fp8_grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule)
     return grouped_mm(dequantize(a), dequantize(b), schedule).to(torch.bfloat16)
 
 
+def swiglu_backward_fp8(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, row_router_weights,
+                        swiglu_limit: float | None):
+    """The SwiGLU backward of the block-scaled FP8 path: d_h_raw [R, I] (the down dgrad, bf16) and the kept
+    pre-activations (quantized, packed rows), dequantized to bf16. Returns (d_gate_up bf16 [R, 2I],
+    d_rw_rows fp32 [R])."""
+    index = packed_index(schedule).to(torch.int64)[:, None]
+    pre = dequantize(gate_up, torch.bfloat16)
+    gate_up_rows = torch.where(index >= 0, pre[index.clamp(min=0).squeeze(1)], 0)
+    d_gate_up, _, d_rw_rows = swiglu_backward(d_h_raw, gate_up_rows, row_router_weights, swiglu_limit,
+                                              torch.bfloat16)
+    return d_gate_up, d_rw_rows
+
+
 def fp8_weight_grad(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule) -> torch.Tensor:
     """dW[e] = sum over expert e's rows of a[:, r] b[:, r]^T from operands stored along tokens, a [M, R],
     b [N, R]: dequantized to fp32, multiplied in fp32; bf16 [E, M, N]."""

@@ -14,6 +14,7 @@ One module per engine or job:
     quantize.py           FP8 quantization (serval.ops.quantize on the GPU)
     rows.py               gather, combine and slot sums (memory-bound row passes)
     swiglu.py             the SwiGLU math of every epilogue
+    swiglu_rows.py        the SwiGLU forward and backward as row passes (the FP8 path's GEMMs store plain rows)
     common.py             interpreter, target, TMA allocator, SM count, output allocation, tile order
 """
 
@@ -25,7 +26,7 @@ import warnings
 import torch
 
 from ..plan import GLUON_VERSIONS, KernelPlan, choose_plan
-from . import fp8_gemm, gemm_stages
+from . import fp8_gemm, gemm_stages, swiglu_rows
 from .common import INTERPRET, target
 from .rows import combine, gather, sum_slots
 from .weight_grad import down_weight_grad, gate_up_weight_grad
@@ -52,6 +53,8 @@ class KernelStages:
     sum_slots = staticmethod(sum_slots)
     gate_up_weight_grad = staticmethod(gate_up_weight_grad)
     down_weight_grad = staticmethod(down_weight_grad)
+    swiglu = staticmethod(swiglu_rows.swiglu)
+    swiglu_backward_fp8 = staticmethod(swiglu_rows.swiglu_backward_fp8)
 
     def gate_up_swiglu(self, *args, **kwargs):
         return gemm_stages.gate_up_swiglu(*args, plan=self.plan, **kwargs)
