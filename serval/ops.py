@@ -1,14 +1,33 @@
-"""Standalone tensor ops: OCP MX FP8 quantisation (`mxfp8_quantize`) and its inverse.
+"""Standalone tensor ops: FP8 block quantization (`quantize`, and `mxfp8_quantize` of the contract) and its
+inverse (`dequantize`).
 
-MXFP8 (OCP Microscaling v1.0): blocks of 32 consecutive elements share one
-power-of-two scale stored as E8M0 (a biased exponent byte, 2^(byte - 127));
-elements are FP8 E4M3 (largest normal 448). The scale is the smallest power of
-two with amax / scale <= 448, i.e. 2^ceil(log2(amax / 448)), so the block maximum
-lands in (224, 448] and nothing saturates. (OCP's example rule,
-2^(floor(log2(amax)) - 8), clips block values in (448, 512) x scale to 448;
-rounding the scale up, as NVIDIA's MXFP8 training recipes do, avoids that.)
-Row-wise blocks run along the last dimension, column-wise along the first
-(what a GEMM's A and B^T operands need for the forward and the weight gradient).
+Two formats, E4M3 elements (`torch.float8_e4m3fn`, largest normal 448) with one scale per block:
+  * "e8m0": MXFP8 (OCP Microscaling): the scale is a power of two, stored as a biased exponent byte,
+    2^(byte - 127).
+  * "fp32": block-scaled FP8 as in DeepSeek-V3 / DeepGEMM: the scale is an fp32 number.
+Blocks (source rows x source columns of the last two dims): (1, B) along the last dim, (B, 1) along the
+second-to-last ("along tokens"), (B, B) 2-D (weights); B is 32 or 128.
+
+The rule, bit for bit the same in the torch reference (`quantize(..., backend="torch")`, the CPU path) and
+the Triton kernel (`serval.kernels.quantize`, the CUDA path):
+  1. v = t rounded to bf16, round-to-nearest-even (with row_scale: v = bf16(fp32(t) * row_scale[:, None]),
+     one fp32 product rounded once). Everything below is in fp32.
+  2. amax = max |v| over the block. Edge blocks that are partial (R or C not a multiple of the block) take
+     the max over the elements they have.
+  3. e8m0: e = ceil(log2(amax / 448)), computed exactly (no division: amax = m * 2^p with m in [0.5, 1)
+     gives e = p - 9 + (m > 0.875)), clamped to [-127, 127]; amax == 0 gives e = -127 (a zero block has
+     a finite scale). The byte is e + 127 and q = v * 2^-e (exact). The block maximum lands in (224, 448]
+     (below only where the clamp at -127 bites).
+     fp32: s = max(amax, 1e-12) / 448 and q = v / s, both IEEE fp32 divisions rounded to nearest.
+  4. data = q rounded to E4M3, round-to-nearest-even (E4M3 subnormals, steps of 2^-9, included),
+     saturated to +-448.
+  5. NaN or Inf: a block with a NaN or Inf in v (t's own, or a bf16 / row_scale product overflowing) gets
+     a NaN scale (fp32) or byte 0xFF (e8m0, the E8M0 NaN), every element NaN (0x7F), and NaN dequantized
+     values: NaN propagates, no host sync. `check_finite=True` instead raises a ValueError naming the
+     argument (`t`, `row_scale`) when one holds a NaN or Inf, or when the bf16 rounding / row_scale
+     product overflows; it synchronises with the host (a debug mode).
+dequantize: data * scale (e8m0: 2^(byte - 127)), each scale expanded over its block: the IEEE fp32
+product (exact for e8m0), then cast to the requested dtype.
 """
 
 from __future__ import annotations
@@ -17,49 +36,166 @@ from typing import NamedTuple
 
 import torch
 
-MX_BLOCK = 32
 E4M3_MAX = 448.0
+BLOCKS = ((1, 32), (32, 1), (32, 32), (1, 128), (128, 1), (128, 128))
+SCALE_FORMATS = ("e8m0", "fp32")
+BACKENDS = ("auto", "torch", "triton")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class MXFP8Tensor(NamedTuple):
-    """data: float8_e4m3fn, same shape as the input; scale: uint8 E8M0, one per 32-block along `dim`."""
+class QuantizedTensor(NamedTuple):
+    """An FP8 block-quantized tensor.
+
+    data: torch.float8_e4m3fn; scale: torch.uint8 (E8M0, 2^(byte - 127)) or torch.float32, one per block;
+    block: (rows, cols) of the *source* tensor's last two dims sharing one scale; transposed: data and scale
+    hold the source with its last two dims swapped, contiguous (data [..., C, R], scale [..., nC, nR]);
+    else data [..., R, C], scale [..., nR, nC], with nR = ceil(R / block[0]) and nC = ceil(C / block[1]).
+    """
 
     data: torch.Tensor
     scale: torch.Tensor
-    dim: int
+    block: tuple[int, int]
+    transposed: bool
 
 
-def _quantize_last_dim(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = t.float().reshape(*t.shape[:-1], t.shape[-1] // MX_BLOCK, MX_BLOCK)
-    ratio = blocks.abs().amax(dim=-1) / E4M3_MAX
-    mantissa, exponent = torch.frexp(ratio)  # ratio = m * 2^e, m in [0.5, 1): ceil(log2(ratio)) = e - (m == 0.5)
-    shared_exp = exponent - (mantissa == 0.5).to(exponent.dtype)
-    shared_exp = torch.where(ratio > 0, shared_exp, -127).clamp(-127, 127)
-    scaled = blocks * torch.exp2(-shared_exp.float())[..., None]
-    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(t.shape)
-    return data, (shared_exp + 127).to(torch.uint8)
+def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", transpose: bool = False,
+             row_scale: torch.Tensor | None = None, dequantized: bool = False, check_finite: bool = False,
+             backend: str = "auto") -> tuple[QuantizedTensor, torch.Tensor | None]:
+    """Quantize t [R, C] or [E, R, C] (bf16, fp16 or fp32, any strides) to FP8 with one scale per block.
+
+    Returns (QuantizedTensor, dequantized): dequantized (with `dequantized=True`, else None) holds the
+    quantized values in t's orientation (never transposed), bf16 for "e8m0" (exact) and fp32 for "fp32",
+    computed in the same pass. transpose=True stores data and scale with t's last two dims swapped
+    (`quantize(t, block=(128, 1), transpose=True)`: data [C, R] with rows 128-blocked along R, the
+    K-contiguous copy of a GEMM operand). row_scale: fp32 [R], 2-D t only (the rule's step 1).
+    backend: "auto" runs the Triton kernel on CUDA tensors and the torch reference on CPU ones; "torch"
+    the reference anywhere; "triton" the kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
+    The rule, NaN handling and check_finite: the module docstring.
+    """
+    block = _check(t, block, scale_format, transpose, row_scale, backend)
+    if check_finite:
+        if not torch.isfinite(t).all():
+            raise ValueError("quantize: t holds NaN or Inf (check_finite=True)")
+        if row_scale is not None and not torch.isfinite(row_scale).all():
+            raise ValueError("quantize: row_scale holds NaN or Inf (check_finite=True)")
+    use_triton = backend == "triton" or (backend == "auto" and t.is_cuda)
+    squeeze = t.dim() == 2
+    t3 = t.unsqueeze(0) if squeeze else t
+    if use_triton:
+        from .kernels.quantize import quantize as quantize_kernel
+
+        data, scale, deq = quantize_kernel(t3, block, scale_format == "fp32", transpose, row_scale, dequantized)
+    else:
+        data, scale, deq = _quantize_torch(t3, block, scale_format, transpose, row_scale, dequantized)
+    if squeeze:
+        data, scale = data[0], scale[0]
+        deq = deq[0] if deq is not None else None
+    if check_finite:
+        bad = scale.isnan().any() if scale_format == "fp32" else (scale == 255).any()
+        if bad:
+            raise ValueError("quantize: t, rounded to bf16" + (" and scaled by row_scale" if row_scale is not None
+                             else "") + ", overflows to Inf (check_finite=True)")
+    return QuantizedTensor(data, scale, block, bool(transpose)), deq
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """data * scale in the stored orientation (data's shape), each scale expanded over its block: the IEEE fp32
+    product data.float() * scale (exact for e8m0), then cast to dtype (bf16: exact for e8m0 barring bf16
+    subnormals, one round-to-nearest-even there)."""
+    br, bc = q.block[::-1] if q.transposed else q.block
+    *batch, rows, cols = q.data.shape
+    n_r, n_c = q.scale.shape[-2:]
+    if q.scale.dtype == torch.uint8:
+        # 2^(byte - 127) from fp32 bits; byte 0 is the subnormal 2^-127, byte 0xFF the E8M0 NaN
+        bits = torch.where(q.scale == 0, 0x400000, q.scale.to(torch.int32) << 23)
+        scale = torch.where(q.scale == 255, float("nan"), bits.view(torch.float32))
+    else:
+        scale = q.scale.float()
+    values = torch.nn.functional.pad(q.data.float(), (0, n_c * bc - cols, 0, n_r * br - rows))
+    values = values.reshape(*batch, n_r, br, n_c, bc) * scale[..., :, None, :, None]
+    return values.reshape(*batch, n_r * br, n_c * bc)[..., :rows, :cols].to(dtype)
+
+
+def _check(t, block, scale_format, transpose, row_scale, backend) -> tuple[int, int]:
+    if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"quantize: t must be a 2-D [R, C] or 3-D [E, R, C] bf16/fp16/fp32 tensor, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                         f"{' ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}")
+    try:
+        block = tuple(int(b) for b in block)
+    except (TypeError, ValueError):
+        block = None
+    if block not in BLOCKS:
+        raise ValueError(f"quantize: block must be one of {BLOCKS} (rows, cols of t's last two dims), got {block}")
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"quantize: scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+    if not isinstance(transpose, bool):
+        raise ValueError(f"quantize: transpose must be a bool, got {transpose!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"quantize: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and not t.is_cuda:
+        from .kernels.common import INTERPRET
+
+        if not INTERPRET:
+            raise ValueError(f"quantize: backend='triton' needs a CUDA tensor t (or TRITON_INTERPRET=1), got t on "
+                             f"{t.device}")
+    if row_scale is not None:
+        if t.dim() != 2:
+            raise ValueError(f"quantize: row_scale needs a 2-D t [R, C], got t of shape {tuple(t.shape)}")
+        if (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
+                or row_scale.shape != (t.shape[0],) or row_scale.device != t.device):
+            raise ValueError(f"quantize: row_scale must be an fp32 tensor of shape [R] = ({t.shape[0]},) on "
+                             f"{t.device}, got " + (f"{row_scale.dtype} {tuple(row_scale.shape)} on {row_scale.device}"
+                                                    if isinstance(row_scale, torch.Tensor) else repr(row_scale)))
+    return block
+
+
+def _quantize_torch(t, block, scale_format, transpose, row_scale, dequantized):
+    """The reference on t [E, R, C]: (data, scale, dequantized or None), as `serval.kernels.quantize.quantize`."""
+    if row_scale is None:
+        v = t.to(torch.bfloat16).float()
+    else:
+        v = (t.float() * row_scale[:, None]).to(torch.bfloat16).float()
+    num_e, rows, cols = v.shape
+    br, bc = block
+    n_r, n_c = -(-rows // br), -(-cols // bc)
+    # pad partial edge blocks with zeros (|0| never raises an amax) and view the blocks as dims 2 and 4
+    blocks = torch.nn.functional.pad(v, (0, n_c * bc - cols, 0, n_r * br - rows)).reshape(num_e, n_r, br, n_c, bc)
+    amax = blocks.abs().amax(dim=(2, 4))  # [E, nR, nC]; a NaN propagates
+    bad = ~torch.isfinite(amax)
+    if scale_format == "e8m0":
+        mantissa, exponent = torch.frexp(amax)  # amax = m * 2^p, m in [0.5, 1)
+        exp = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)  # ceil(log2(amax / 448)), exactly
+        exp = torch.where(amax > 0, exp, -127).clamp(-127, 127)
+        inv_scale = ((127 - exp).to(torch.int32) << 23).view(torch.float32)  # 2^-exp (exp <= 120: normal)
+        q = blocks * inv_scale[:, :, None, :, None]
+        scale = torch.where(bad, 255, exp + 127).to(torch.uint8)
+    else:
+        s = amax.clamp_min(1e-12) / E4M3_MAX
+        scale = torch.where(bad, float("nan"), s)
+        q = blocks / scale[:, :, None, :, None]
+    q = q.reshape(num_e, n_r * br, n_c * bc)[:, :rows, :cols]
+    data = q.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    bad_elements = bad.repeat_interleave(br, dim=1)[:, :rows].repeat_interleave(bc, dim=2)[:, :, :cols]
+    data = data.view(torch.uint8).masked_fill(bad_elements, 0x7F).view(torch.float8_e4m3fn)
+    deq = None
+    if dequantized:
+        deq = dequantize(QuantizedTensor(data, scale, block, False), torch.bfloat16 if scale_format == "e8m0"
+                         else torch.float32)
+        deq = deq.masked_fill(bad_elements, float("nan"))
+    if transpose:
+        data, scale = data.transpose(1, 2).contiguous(), scale.transpose(1, 2).contiguous()
+    return data, scale, deq
 
 
 def mxfp8_quantize(t: torch.Tensor, rowwise: bool = True, colwise: bool = False):
-    """Quantise a 2-D tensor to MXFP8: returns (rowwise MXFP8Tensor or None, colwise MXFP8Tensor or None)."""
-    if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.dtype.is_floating_point:
-        raise ValueError(f"mxfp8_quantize: t must be a 2-D floating tensor, got {getattr(t, 'shape', t)}")
+    """OCP MX FP8 of a 2-D tensor (docs/CONTRACT.md): (rowwise, colwise), each a QuantizedTensor in the "e8m0"
+    format or None: rowwise with blocks of 32 along the last dim, colwise along the first (what a GEMM's A
+    operand and the weight gradient's need)."""
     if not (rowwise or colwise):
-        raise ValueError("mxfp8_quantize: ask for rowwise, colwise or both")
-    row = col = None
-    if rowwise:
-        if t.shape[1] % MX_BLOCK:
-            raise ValueError(f"mxfp8_quantize rowwise: t.shape[1] must be a multiple of {MX_BLOCK}, got {t.shape[1]}")
-        row = MXFP8Tensor(*_quantize_last_dim(t), dim=1)
-    if colwise:
-        if t.shape[0] % MX_BLOCK:
-            raise ValueError(f"mxfp8_quantize colwise: t.shape[0] must be a multiple of {MX_BLOCK}, got {t.shape[0]}")
-        data, scale = _quantize_last_dim(t.t())
-        col = MXFP8Tensor(data.t(), scale.t(), dim=0)
+        raise ValueError("mxfp8_quantize: ask for rowwise=True, colwise=True or both")
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"mxfp8_quantize: t must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    row = quantize(t, block=(1, 32))[0] if rowwise else None
+    col = quantize(t, block=(32, 1))[0] if colwise else None
     return row, col
-
-
-def mxfp8_dequantize(q: MXFP8Tensor) -> torch.Tensor:
-    """fp32 values of an MXFP8Tensor."""
-    scale = torch.exp2(q.scale.float() - 127).repeat_interleave(MX_BLOCK, dim=q.dim)
-    return q.data.float() * scale

@@ -1,0 +1,183 @@
+"""FP8 block quantization (`serval.ops.quantize` on CUDA tensors): one memory-bound Triton kernel.
+
+Each program takes one 2-D tile of one source matrix (the batch index E is grid axis 1) whose extent along a
+blocked dimension equals the block size, so every block lies whole in one tile and its amax is one reduction
+(no reshapes): (1, B) blocks use tiles [TR, B], (B, 1) tiles [B, TC], (B, B) tiles [B, B]. Constexpr variants:
+block shape, scale format (E8M0 byte or fp32), transposed store (the tile is `tl.trans`-ed in registers so
+that both the load and the store run along contiguous rows), a per-row scale, and the dequantized output.
+
+The numerics are the rule in `serval.ops` (its docstring), done with explicit bit arithmetic wherever a cast
+would round differently under the interpreter than on the GPU, so that the interpreter tests check the code
+the GPU runs: amax is an integer max over |bits| (NaN-safe: a NaN's bits exceed Inf's), the E8M0 exponent
+comes from amax's exponent and mantissa fields, bf16 rounding is the integer RNE trick, and e4m3 rounding
+is the magic-number add (below).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (round to nearest even), still in fp32. Integer trick: the interpreter's
+    `.to(tl.bfloat16)` truncates. NaN kept (the integer add could carry a NaN into Inf or wrap)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _bf16_to_f32(x):
+    """bf16 -> fp32 by bits (the interpreter's cast loses bf16 subnormals; on the GPU it is this shift)."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_to_bf16(x):
+    """fp32 holding a bf16 value (`_round_bf16`'s output) -> bf16 by bits, exact (the interpreter's cast loses
+    subnormals)."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _round_e4m3(q):
+    """fp32 -> the nearest e4m3 value (RNE, subnormals included, saturated to +-448), still in fp32.
+    Explicit rounding, not `.to(tl.float8e4nv)` alone: the interpreter's cast misrounds ties (and worse);
+    the GPU's cvt.rn.satfinite would agree, but one code path keeps the interpreter tests meaningful.
+    |q| + M - M with M = 1.5 * 2^(e + 20) rounds |q| (exponent e >= -6, the subnormal step 2^-9 below) to a
+    multiple of 2^(e - 3) by IEEE round-to-nearest-even; the sign is put back afterwards (keeps -0)."""
+    a = tl.minimum(tl.abs(q), 448.0)
+    biased = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 121)  # 121: 2^-6, the smallest normal
+    magic = (((biased + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    sign = q.to(tl.int32, bitcast=True) & (-2147483647 - 1)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr,
+                     data_ptr, scale_ptr, deq_ptr, R, C, n_scale_r, n_scale_c, n_tiles_c,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+                     FP32_SCALE: tl.constexpr, TRANSPOSE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+                     ROUND_INPUT: tl.constexpr, DEQUANTIZED: tl.constexpr):
+    # scales per tile along rows / columns: 1 along a blocked dim (tile == block), the tile extent along the other
+    SR: tl.constexpr = TILE_R // BLOCK_R
+    SC: tl.constexpr = TILE_C // BLOCK_C
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    tile_r = pid // n_tiles_c
+    tile_c = pid % n_tiles_c
+    rows = tile_r * TILE_R + tl.arange(0, TILE_R)
+    cols = tile_c * TILE_C + tl.arange(0, TILE_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :] * stride_tc,
+                mask=mask, other=0.0)
+    if x.dtype == tl.bfloat16:
+        x = _bf16_to_f32(x)
+    else:
+        x = x.to(tl.float32)
+    if HAS_ROW_SCALE:
+        x = x * tl.load(row_scale_ptr + rows, mask=rows < R, other=0.0)[:, None]
+    if ROUND_INPUT:
+        x = _round_bf16(x)
+
+    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if BLOCK_R == 1:
+        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
+    elif BLOCK_C == 1:
+        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
+    else:
+        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
+    bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
+
+    if FP32_SCALE:
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+        scale = tl.where(bad, float("nan"), scale)
+        q = tl.math.div_rn(x, scale)
+        stored_scale = scale
+    else:
+        # e = ceil(log2(amax / 448)) exactly: amax = m * 2^p, m in [0.5, 1) -> e = p - 9 + (m > 0.875);
+        # from the fields: p = biased - 126, m > 0.875 <=> mantissa field > 0x600000. Zero and tiny -> -127.
+        biased = amax_bits >> 23
+        exp = tl.maximum(biased - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -127)
+        exp = tl.where(bad, 0, exp)  # any finite value: the block is written as NaN below
+        q = x * ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2^-exp, exact (exp <= 120)
+        stored_scale = tl.where(bad, 255, exp + 127).to(tl.uint8)
+    r = _round_e4m3(q)
+    byte = tl.where(bad, 0x7F, r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
+
+    out_rows = tile_r * SR + tl.arange(0, SR)
+    out_cols = tile_c * SC + tl.arange(0, SC)
+    scale_mask = (out_rows < n_scale_r)[:, None] & (out_cols < n_scale_c)[None, :]
+    if TRANSPOSE:
+        # [TILE_C, TILE_R] in registers: rows of TILE_R bytes along R, as contiguous as the load's rows along C
+        tl.store(data_ptr + e * R * C + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(byte),
+                 mask=(cols < C)[:, None] & (rows < R)[None, :])
+        tl.store(scale_ptr + e * n_scale_r * n_scale_c + out_cols[None, :] * n_scale_r + out_rows[:, None],
+                 stored_scale, mask=scale_mask)
+    else:
+        tl.store(data_ptr + e * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :], byte, mask=mask)
+        tl.store(scale_ptr + e * n_scale_r * n_scale_c + out_rows[:, None] * n_scale_c + out_cols[None, :],
+                 stored_scale, mask=scale_mask)
+
+    if DEQUANTIZED:
+        if FP32_SCALE:
+            deq = r * scale  # fp32 out
+        else:
+            # 2^exp (exp = -127: the subnormal 2^-127, bits 0x400000); r * 2^exp is exact in fp32, rounded once to bf16
+            pow2 = tl.where(exp > -127, (exp + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+            deq = _round_bf16(r * pow2)
+        deq = tl.where(bad, float("nan"), deq)
+        if not FP32_SCALE:
+            deq = _f32_to_bf16(deq)
+        tl.store(deq_ptr + e * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :], deq, mask=mask)
+
+
+def _tile(block: tuple[int, int]) -> tuple[int, int, int]:
+    """(TILE_R, TILE_C, num_warps) for a block shape: ~8K elements a program, 16-byte vectors on the
+    contiguous side, rows of >= 64 bytes on both sides of a transposed store."""
+    br, bc = block
+    if br == 1:
+        return (256, 32, 8) if bc == 32 else (64, 128, 8)
+    if bc == 1:
+        return (32, 256, 8) if br == 32 else (128, 64, 8)
+    return (32, 32, 2) if br == 32 else (128, 128, 16)
+
+
+def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpose: bool,
+             row_scale: torch.Tensor | None, dequantized: bool):
+    """The kernel on t [E, R, C] (any strides): (data float8_e4m3fn, scale uint8 or fp32, dequantized or None),
+    data/scale [E, C, R] / [E, nC, nR] when transpose, else [E, R, C] / [E, nR, nC]. Arguments are checked
+    by `serval.ops.quantize`."""
+    num_e, R, C = t.shape
+    br, bc = block
+    n_r, n_c = triton.cdiv(R, br), triton.cdiv(C, bc)
+    device = t.device
+    data = common.empty((num_e, C, R) if transpose else (num_e, R, C), torch.float8_e4m3fn, device)
+    scale_shape = (num_e, n_c, n_r) if transpose else (num_e, n_r, n_c)
+    if fp32_scale:
+        scale = common.empty(scale_shape, torch.float32, device)
+    else:
+        scale = common.empty(scale_shape, torch.int8, device).view(torch.uint8)  # int8: poison -1 = 0xFF
+    deq = common.empty((num_e, R, C), torch.float32 if fp32_scale else torch.bfloat16, device) if dequantized else None
+    tile_r, tile_c, num_warps = _tile(block)
+    n_tiles_c = triton.cdiv(C, tile_c)
+    grid = (triton.cdiv(R, tile_r) * n_tiles_c, num_e)
+    if grid[0] and num_e:
+        _quantize_kernel[grid](
+            t, t.stride(0), t.stride(1), t.stride(2), row_scale.contiguous() if row_scale is not None else t,
+            data.view(torch.uint8), scale, deq if deq is not None else data, R, C,
+            n_r, n_c, n_tiles_c,
+            BLOCK_R=br, BLOCK_C=bc, TILE_R=tile_r, TILE_C=tile_c,
+            FP32_SCALE=fp32_scale, TRANSPOSE=transpose, HAS_ROW_SCALE=row_scale is not None,
+            ROUND_INPUT=t.dtype != torch.bfloat16 or row_scale is not None, DEQUANTIZED=dequantized,
+            num_warps=num_warps,
+        )
+    return data, scale, deq
