@@ -113,6 +113,60 @@ VARIANTS = {
 }
 
 
+# ---- the block-scaled FP8 grouped GEMMs (gluon_fp8): SEGMENT "rows" (grouped_gemm: K = H, N = I) and "k"
+# (weight_grad: a [2I, R], b [H, R]), in the configs gluon_fp8.choose_config picks, and block_n = 64
+
+
+def _fp8_config(config, n):
+    from serval.kernels import gluon_fp8
+    return config or gluon_fp8.choose_config(n)
+
+
+def _fp8_gemm(config=None):
+    config = _fp8_config(config, min(SHAPES[s]["inter"] for s in SHAPES))  # the config both shapes' N get
+
+    def launch(engine, t):
+        schedule, hidden, inter = t["schedule"], t["x_rows"].shape[1], t["h"].shape[1]
+        fp8 = dict(dtype=torch.float8_e4m3fn)
+        a = torch.zeros(schedule.capacity, hidden, **fp8)
+        b = torch.zeros(E, inter, hidden, **fp8)
+        a_scale = torch.ones(schedule.capacity, triton.cdiv(hidden, 128))
+        b_scale = torch.ones(E, triton.cdiv(inter, 128), triton.cdiv(hidden, 128))
+        out = torch.zeros(schedule.capacity, inter, dtype=torch.bfloat16)
+        assert engine.choose_config(inter) == config or config.block_n == 64
+        engine.grouped_gemm(a, a_scale, b, b_scale, schedule, out, config)
+    return "gluon_fp8", "_fp8_kernel", launch, config, dict(SEGMENT="rows", B_SCALE_GROUP=128)
+
+
+def _fp8_wgrad(config=None):
+    config = _fp8_config(config, min(SHAPES[s]["hidden"] for s in SHAPES))
+
+    def launch(engine, t):
+        schedule, hidden, inter = t["schedule"], t["x_rows"].shape[1], t["h"].shape[1]
+        fp8 = dict(dtype=torch.float8_e4m3fn)
+        a = torch.zeros(2 * inter, schedule.capacity, **fp8)
+        b = torch.zeros(hidden, schedule.capacity, **fp8)
+        a_scale = torch.ones(2 * inter, schedule.capacity // 128)
+        b_scale = torch.ones(hidden, schedule.capacity // 128)
+        out = torch.zeros(E, 2 * inter, hidden, dtype=torch.bfloat16)
+        assert engine.choose_config(hidden) == config
+        engine.weight_grad(a, a_scale, b, b_scale, schedule, out, config)
+    return "gluon_fp8", "_fp8_kernel", launch, config, dict(SEGMENT="k", B_SCALE_GROUP=1)
+
+
+def _fp8_bn64():
+    from serval.kernels.gluon_fp8 import Fp8Config
+    return _fp8_gemm(Fp8Config(block_n=64, stages=9))
+
+
+FP8_VARIANTS = {
+    f"{name}-{shape}": (variant, shape)
+    for name, variant in {"fp8_gemm": _fp8_gemm, "fp8_wgrad": _fp8_wgrad, "fp8_gemm_bn64": _fp8_bn64}.items()
+    for shape in SHAPES if not (name == "fp8_gemm_bn64" and shape == "ragged")
+}
+VARIANTS.update(FP8_VARIANTS)
+
+
 def _record_launch(monkeypatch, variant, shape):
     """The engine's host function run with the kernel replaced by a recorder: (kernel, args, kwargs, config,
     expected constexprs) of its one launch."""

@@ -1,0 +1,297 @@
+"""The Hopper engine of the block-scaled FP8 grouped GEMMs (`serval.kernels.fp8_gemm`), in Gluon (sm_90, Triton 3.6).
+
+Numerics are `fp8_gemm`'s: per 128-wide K step a zero-started fp8 wgmma `part` [rows, BLOCK_N], promoted once
+into the fp32 accumulator, `acc = fma(part, a_scale[rows] * b_scale[cols], acc)`, K steps ascending, bf16 out
+rounded once; the same instruction sequence as the Triton engine's `tl.dot` + `tl.fma`, so the two are meant to
+agree bit for bit (checked on the H200 by tests/test_kernels_fp8.py).
+
+Roles (warp-specialised, as `gluon_cooperative`): one TMA loader warp fills a STAGES-deep ring of [128, 128] A
+and [BLOCK_N, 128] B fp8 slots (both K-major, as fp8 wgmma on Hopper needs; every operand of the recipe is
+K-contiguous for that reason). Two consumer warp groups own rows 0-63 and 64-127 of each 128-row tile
+(cooperative: both read every stage, `empty` counts both). Per K step each consumer issues its async wgmma
+from a zero accumulator, loads the NEXT step's scales while it runs, waits, releases the slot, then promotes
+on the CUDA cores. The two consumers drift apart by themselves, so while one promotes the other's wgmma keeps
+the tensor cores busy: DeepGEMM's way of keeping the promotion off the critical path. Registers: BLOCK_N = 128
+gives 64 accumulator + 64 partial fp32 per thread (setmaxnreg 232 for the consumers).
+
+SEGMENT "rows" (grouped_gemm): tiles over the schedule's used M-tiles (count read on the device), weights read as
+the 2-D TMA view [E * N, K] (an N-tile past N reads the next expert's rows into columns the stores drop; the
+last expert's are zero-filled). B_SCALE_GROUP = 128 with BLOCK_N dividing 128: one weight scale per tile and
+step (a scalar). SEGMENT "k" (weight_grad): tiles E x M-tiles x N-tiles (expert-major), each looping over its
+expert's rows [offsets[e], offsets[e + 1]) read from the device table by both roles; A [M, R] and B [N, R];
+per-row b scales (B_SCALE_GROUP = 1, a vector per step); an expert with no rows stores zeros.
+
+Epilogue: [64, EPI_N] column chunks converted to bf16 and stored with 16-byte pointer stores (no shared
+memory taken from the ring). The mbarrier waits need no time bound: every arrival they wait for is made
+unconditionally by the same program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import triton
+
+from ..schedule import Schedule
+from . import common, gluon_common
+
+BLOCK_M = 128
+BLOCK_K = 128  # one scale block per K step
+SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """A launch configuration of the Gluon FP8 engine (tile 128 x block_n x 128)."""
+
+    block_n: int = 128  # 64 or 128: 128 keeps 64 acc + 64 partial fp32 per consumer thread
+    stages: int = 6  # ring depth: a stage is 16 KB of A + block_n x 128 B of weights
+    group_m: int = 8  # tile order, as TileConfig.group_m
+    epi_split: int = 4  # the epilogue in this many column chunks (16-byte pointer stores)
+
+    def __post_init__(self):
+        if self.block_n not in (64, 128):
+            raise ValueError(f"Fp8Config.block_n must be 64 or 128, got {self.block_n}")
+        stage_bytes = (BLOCK_M + self.block_n) * BLOCK_K
+        if not 2 <= self.stages or self.stages * stage_bytes > SM90_SHARED - 10240:
+            raise ValueError(f"Fp8Config.stages={self.stages}: {stage_bytes} B a stage does not fit sm_90's "
+                             f"shared memory with room for the epilogue's layout conversions")
+
+
+def choose_config(n: int) -> Fp8Config:
+    """128-wide N tiles (the widest whose 64 + 64 fp32 registers fit a consumer), 64 for outputs no wider than
+    64; as many stages as fit 227 KB beside ~8 KB of epilogue scratch: 6 of 32 KB, 9 of 24 KB."""
+    if n <= 64:
+        return Fp8Config(block_n=64, stages=9)
+    return Fp8Config(block_n=128, stages=6)
+
+
+if gluon_common.GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_common import column_chunks
+
+    @gluon.jit
+    def _tile(tile_id, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_m_tiles, num_n_tiles, K,
+              SEGMENT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr):
+        """(expert, m_tile, n_tile, k_begin, k_end) of work item tile_id; loader and consumers agree on it."""
+        if SEGMENT == "rows":
+            m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
+            expert = gl.load(tile_expert_ptr + (m_tile * BLOCK_M) // sched_block_m)
+            k_begin = 0
+            k_end = K
+        else:
+            per_expert = num_m_tiles * num_n_tiles
+            expert = tile_id // per_expert
+            m_tile, n_tile = common.tile_coords(tile_id % per_expert, num_m_tiles, num_n_tiles, GROUP_M)
+            k_begin = gl.load(expert_offsets_ptr + expert)
+            k_end = gl.load(expert_offsets_ptr + expert + 1)
+        return expert, m_tile, n_tile, k_begin, k_end
+
+    @gluon.jit
+    def _load_sb(sb_ptrs, kb, stride_bs_k, col_offs, mask, SCALAR_SB: gl.constexpr):
+        """The weight scales of K step kb: a scalar (one 128-column block), or the tile's columns of a [KB, N] row."""
+        if SCALAR_SB:
+            return gl.load(sb_ptrs + kb * stride_bs_k, mask=mask, other=0.0)
+        else:
+            return gl.load((sb_ptrs + kb * stride_bs_k) + col_offs, mask=mask, other=0.0)
+
+    @gluon.jit
+    def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, expert_offsets_ptr, sched_block_m,
+                num_tiles, num_m_tiles, num_n_tiles, N, K, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr,
+                STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        BLOCK_N: gl.constexpr = b_bufs.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        count = 0
+        for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+            expert, m_tile, n_tile, k_begin, k_end = _tile(tile_id, tile_expert_ptr, expert_offsets_ptr,
+                                                           sched_block_m, num_m_tiles, num_n_tiles, K, SEGMENT,
+                                                           GROUP_M, BLOCK_M)
+            m0 = m_tile * BLOCK_M
+            if SEGMENT == "rows":
+                b_row = expert * N + n_tile * BLOCK_N  # the [E * N, K] view
+            else:
+                b_row = n_tile * BLOCK_N
+            for k in range(k_begin, k_end, BLOCK_K):
+                slot = count % STAGES
+                mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), stage_bytes)
+                tma.async_copy_global_to_shared(a_desc, [m0, k], ready.index(slot), a_bufs.index(slot))
+                tma.async_copy_global_to_shared(b_desc, [b_row, k], ready.index(slot), b_bufs.index(slot))
+                count += 1
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+                  expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
+                  stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
+                  CONSUMER: gl.constexpr, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
+                  EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                  NUM_PROGRAMS: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        BLOCK_N: gl.constexpr = b_bufs.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        HALF_M: gl.constexpr = BLOCK_M // 2  # this consumer's rows of the tile
+        EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
+        SCALAR_SB: gl.constexpr = B_SCALE_GROUP % BLOCK_N == 0  # one weight scale per tile and K step
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, EPI_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+        VEC: gl.constexpr = 8  # bf16, 16-byte stores
+        store_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_N, EPI_N // VEC], [4, 1], [1, 0])
+        count = 0
+        part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)  # the wgmma's registers
+        for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+            expert, m_tile, n_tile, k_begin, k_end = _tile(tile_id, tile_expert_ptr, expert_offsets_ptr,
+                                                           sched_block_m, num_m_tiles, num_n_tiles, K, SEGMENT,
+                                                           GROUP_M, BLOCK_M)
+            r0 = m_tile * BLOCK_M + CONSUMER * HALF_M
+            n0 = n_tile * BLOCK_N
+            rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
+            row_ok = rows < M
+            sa_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_as_m
+            if SCALAR_SB:
+                sb_ptrs = b_scale_ptr + expert.to(gl.int64) * stride_bs_e + (n0 // B_SCALE_GROUP) * stride_bs_n
+                col_offs = 0
+                col_ok = True
+            else:  # per-column scales, [KB, N] (stride_bs_n == 1): a scalar base + constant offsets per step
+                sb_ptrs = b_scale_ptr + n0
+                col_offs = gl.arange(0, BLOCK_N, layout=col_layout)
+                col_ok = (n0 + col_offs) < N
+            # the first step's scales; each step then loads the next one's while its wgmma runs
+            kb = k_begin // BLOCK_K
+            has_step = k_begin < k_end
+            sa = gl.load(sa_ptrs + kb * stride_as_k, mask=row_ok & has_step, other=0.0)
+            sb = _load_sb(sb_ptrs, kb, stride_bs_k, col_offs, col_ok & has_step, SCALAR_SB)
+            acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            for k in range(k_begin, k_end, BLOCK_K):
+                slot = count % STAGES
+                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+                a = a_bufs.index(slot).slice(CONSUMER * HALF_M, HALF_M)
+                b = b_bufs.index(slot).permute((1, 0))
+                part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                kb_next = k // BLOCK_K + 1
+                more = k + BLOCK_K < k_end
+                sa_next = gl.load(sa_ptrs + kb_next * stride_as_k, mask=row_ok & more, other=0.0)
+                sb_next = _load_sb(sb_ptrs, kb_next, stride_bs_k, col_offs, col_ok & more, SCALAR_SB)
+                part = warpgroup_mma_wait(0, deps=(part,))
+                mbarrier.arrive(empty.index(slot))  # the slot is free before the promotion runs
+                if SCALAR_SB:
+                    scale = (sa * sb)[:, None]
+                else:
+                    scale = sa[:, None] * sb[None, :]
+                acc = gl.fma(part, scale, acc)
+                sa = sa_next
+                sb = sb_next
+                count += 1
+
+            out_rows_ids = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
+            out_rows = (out_ptr + expert.to(gl.int64) * stride_out_e
+                        + out_rows_ids.to(gl.int64)[:, None] * stride_out_m)
+            out_row_ok = (out_rows_ids < M)[:, None]
+            chunks = column_chunks(acc, EPI_SPLIT)
+            for c in gl.static_range(EPI_SPLIT):
+                value = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
+                out_cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, store_layout))
+                gl.store(out_rows + out_cols[None, :], gl.convert_layout(value, store_layout),
+                         mask=out_row_ok & (out_cols < N)[None, :])
+
+    @gluon.jit
+    def _fp8_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr, expert_offsets_ptr,
+                    num_experts, sched_block_m, M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n,
+                    stride_bs_k, stride_out_e, stride_out_m, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
+                    EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """See the module docstring. "rows": M = R rows, K = K, out [R, N]. "k": M rows of a [M, R], N rows of
+        b [N, R], K = R, out [E, M, N]."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
+            mbarrier.init(empty.index(i), count=2)  # both consumers
+        fence_async_shared()
+        num_n_tiles = gl.cdiv(N, BLOCK_N)
+        if SEGMENT == "rows":
+            num_m_tiles = gl.load(expert_offsets_ptr + num_experts) // BLOCK_M  # used tiles only, no host sync
+            num_tiles = num_m_tiles * num_n_tiles
+        else:
+            num_m_tiles = gl.cdiv(M, BLOCK_M)
+            num_tiles = num_experts * num_m_tiles * num_n_tiles
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+                         expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
+                         stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
+                         0, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+                         expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
+                         stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
+                         1, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, expert_offsets_ptr,
+                       sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N, K, SEGMENT, GROUP_M, STAGES,
+                       NUM_PROGRAMS)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+    @functools.lru_cache(maxsize=None)
+    def _fp8_layout(shape: tuple):
+        return gl.NVMMASharedLayout.get_default_for(list(shape), gl.float8e4nv)
+
+    def _descriptor(t, block: list):
+        """A host-side TMA descriptor of an fp8 tensor in `block` boxes (128-byte swizzle, K-major)."""
+        return TensorDescriptor.from_tensor(t, block, _fp8_layout(tuple(block)))
+
+
+def _launch(a2d, b2d, a_scale, b_scale, out, schedule: Schedule, *, segment: str, m: int, n: int, k: int,
+            b_scale_strides: tuple, b_scale_group: int, out_strides: tuple, num_tiles_max: int, config: Fp8Config):
+    num_programs = max(1, min(common.num_sms(a2d.device.index), num_tiles_max))
+    _fp8_kernel[(num_programs,)](
+        _descriptor(a2d, [BLOCK_M, BLOCK_K]), _descriptor(b2d, [config.block_n, BLOCK_K]), a_scale, b_scale, out,
+        schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, m, n, k,
+        a_scale.stride(0), a_scale.stride(1), *b_scale_strides, *out_strides,
+        SEGMENT=segment, B_SCALE_GROUP=b_scale_group, EPI_SPLIT=config.epi_split, GROUP_M=config.group_m,
+        STAGES=config.stages, NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_REGS=40, num_warps=4,
+        maxnreg=168)
+
+
+def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None):
+    """`fp8_gemm.grouped_gemm` on this engine (operands already checked there): writes out bf16 [R, N]."""
+    num_rows, k = a_data.shape
+    num_experts, n, _ = b_data.shape
+    config = config or choose_config(n)
+    if num_rows == 0 or n == 0:
+        return out
+    num_tiles_max = (num_rows // BLOCK_M) * triton.cdiv(n, config.block_n)
+    _launch(a_data, b_data.view(num_experts * n, k), a_scale, b_scale, out, schedule, segment="rows", m=num_rows,
+            n=n, k=k, b_scale_strides=tuple(b_scale.stride()), b_scale_group=128, out_strides=(0, out.stride(0)),
+            num_tiles_max=num_tiles_max, config=config)
+    return out
+
+
+def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None):
+    """`fp8_gemm.weight_grad` on this engine (operands already checked there): writes out bf16 [E, M, N]."""
+    m, num_rows = a_data.shape
+    n = b_data.shape[0]
+    config = config or choose_config(n)
+    if out.numel() == 0:
+        return out
+    num_tiles_max = schedule.num_experts * triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
+    # the per-row b scales as [R/128, N] rows (a view, no copy, where they are already column-major), so a
+    # K step's scales for a tile are one contiguous run: loaded from one base without a pointer per column
+    b_scale_t = b_scale.t().contiguous()
+    _launch(a_data, b_data, a_scale, b_scale_t, out, schedule, segment="k", m=m, n=n, k=num_rows,
+            b_scale_strides=(0, 1, b_scale_t.stride(0)), b_scale_group=1,
+            out_strides=(out.stride(0), out.stride(1)), num_tiles_max=num_tiles_max, config=config)
+    return out

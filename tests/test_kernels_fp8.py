@@ -1,0 +1,263 @@
+"""The block-scaled FP8 grouped GEMMs (serval.kernels.fp8_gemm): the Triton engine against a float64 emulation of
+the recipe (CPU interpreter on small shapes, and the GPU), routings with empty experts, one expert, one token,
+k = 1, sizes that are not multiples of 128; the Gluon engine against the Triton engine on the H200 (GPU only)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import CUDA, make_routing, requires_cuda
+from serval.kernels import fp8_gemm, gluon_common
+from serval.schedule import build_schedule
+
+FP8_MAX = 448.0
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+# ---------------------------------------------------------------- operands (a local stand-in for serval.ops.quantize)
+
+
+def quantize_blocks(v: torch.Tensor, block_rows: int, block_cols: int):
+    """Block-scaled e4m3 of v [..., rows, cols]: per (block_rows x block_cols) block s = max(amax, 1e-12) / 448
+    (fp32), data = (v / s).clamp(+-448) in e4m3. Returns (data, scale [..., ceil(rows/br), ceil(cols/bc)])."""
+    v = v.float()
+    *lead, rows, cols = v.shape
+    rb, cb = math.ceil(rows / block_rows), math.ceil(cols / block_cols)
+    padded = torch.zeros(*lead, rb * block_rows, cb * block_cols, dtype=torch.float32, device=v.device)
+    padded[..., :rows, :cols] = v
+    blocks = padded.view(*lead, rb, block_rows, cb, block_cols)
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., rb, cb]
+    scale = amax.clamp_min(1e-12) / FP8_MAX
+    full = scale.repeat_interleave(block_rows, -2).repeat_interleave(block_cols, -1)[..., :rows, :cols]
+    data = (v / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return data, scale.contiguous()
+
+
+def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
+    rows, cols = data.shape[-2:]
+    full = scale.double().repeat_interleave(block_rows, -2).repeat_interleave(block_cols, -1)[..., :rows, :cols]
+    return data.double() * full
+
+
+def routed_rows(schedule, cols, gen, device):
+    """[R, cols] float rows: random on rows holding a source, zero on padding rows."""
+    v = torch.randn(schedule.capacity, cols, generator=gen)
+    v[schedule.row_source.cpu() < 0] = 0
+    return v.to(device)
+
+
+def reference_gemm(a_data, a_scale, b_data, b_scale, schedule):
+    """float64 (out [R, N], |a| @ |b|^T [R, N], used rows): rows past expert_offsets[E] are not compared."""
+    a = dequantize_blocks(a_data, a_scale, 1, 128)
+    b = dequantize_blocks(b_data, b_scale, 128, 128)
+    offsets = schedule.expert_offsets.tolist()
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    size = torch.zeros_like(out)
+    for e in range(schedule.num_experts):
+        out[offsets[e]:offsets[e + 1]] = a[offsets[e]:offsets[e + 1]] @ b[e].T
+        size[offsets[e]:offsets[e + 1]] = a[offsets[e]:offsets[e + 1]].abs() @ b[e].T.abs()
+    return out, size, offsets[-1]
+
+
+def reference_wgrad(a_data, a_scale, b_data, b_scale, schedule):
+    """float64 (out [E, M, N], |a| @ |b|^T over each segment)."""
+    a = dequantize_blocks(a_data, a_scale, 1, 128)
+    b = dequantize_blocks(b_data, b_scale, 1, 128)
+    offsets = schedule.expert_offsets.tolist()
+    segments = [(a[:, offsets[e]:offsets[e + 1]], b[:, offsets[e]:offsets[e + 1]])
+                for e in range(schedule.num_experts)]
+    return (torch.stack([x @ y.T for x, y in segments]), torch.stack([x.abs() @ y.abs().T for x, y in segments]))
+
+
+def assert_close(got, ref, size, what):
+    """A bf16 result of an fp32-accumulated sum: within one bf16 unit of the exact value (the interpreter's
+    bf16 conversion truncates; the GPU's rounds), plus 2^-12 of the sum of |products| for the fp32
+    accumulation and the fp8 MMA's limited internal accumulator precision."""
+    assert not got.isnan().any(), f"{what}: NaN (unwritten) elements"
+    err = (got.double() - ref).abs()
+    bound = ref.abs() * 2 ** -7 + size * 2 ** -12 + 1e-30
+    excess = (err / bound).max().item() if err.numel() else 0.0
+    assert excess <= 1, f"{what}: max error {err.max().item():.3g}, {excess:.3g}x the bound"
+
+
+# ---------------------------------------------------------------- cases
+
+CASES = {
+    "random": dict(tokens=48, experts=4, top_k=2, kind="random", k=256, n=256),
+    "ragged K and N": dict(tokens=40, experts=3, top_k=2, kind="random", k=320, n=200),
+    "empty experts": dict(tokens=30, experts=6, top_k=2, kind="empty", k=160, n=144),
+    "one expert, k=1": dict(tokens=70, experts=4, top_k=1, kind="one", k=128, n=96),
+    "one token": dict(tokens=1, experts=4, top_k=2, kind="random", k=48, n=64),
+}
+
+
+def make_case(tokens, experts, top_k, kind, k, n, block_m=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    _, ids = make_routing(tokens, experts, top_k, kind=kind, seed=seed)
+    schedule = build_schedule(ids.to(DEVICE), experts, block_m)
+    a_data, a_scale = quantize_blocks(routed_rows(schedule, k, gen, DEVICE), 1, 128)
+    # weights with a spread of magnitudes across blocks, so the scales matter
+    w = torch.randn(experts, n, k, generator=gen) * torch.rand(experts, 1, k, generator=gen).add(0.05)
+    b_data, b_scale = quantize_blocks(w.to(DEVICE), 128, 128)
+    return schedule, a_data, a_scale, b_data, b_scale
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_gemm_matches_emulation(case):
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**CASES[case])
+    out = torch.full((schedule.capacity, b_data.shape[1]), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule, out=out, engine="triton")
+    assert got is out
+    ref, size, used = reference_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    assert_close(got[:used], ref[:used], size[:used], case)
+
+
+def test_grouped_gemm_block_m_256_and_default_out():
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**CASES["random"], block_m=256)
+    got = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    ref, size, used = reference_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    assert got.dtype == torch.bfloat16 and got.shape == (schedule.capacity, b_data.shape[1])
+    assert_close(got[:used], ref[:used], size[:used], "block_m 256")
+
+
+def test_grouped_gemm_scales_apply_per_block():
+    """Each 128-K block of a row, and each 128 x 128 weight block, carries its own scale."""
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**CASES["ragged K and N"])
+    a_scale = a_scale * torch.tensor([1.0, 2.0 ** 10, 2.0 ** -7], device=DEVICE)
+    b_scale = b_scale * torch.tensor([[2.0 ** -5], [2.0 ** 6]], device=DEVICE)
+    got = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule, engine="triton")
+    ref, size, used = reference_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    assert_close(got[:used], ref[:used], size[:used], "scaled blocks")
+
+
+def test_grouped_gemm_deterministic():
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**CASES["ragged K and N"])
+    first = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    second = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    used = int(schedule.expert_offsets[-1])
+    assert torch.equal(first[:used], second[:used])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_weight_grad_matches_emulation(case):
+    cfg = CASES[case]
+    schedule, *_ = make_case(**cfg)
+    gen = torch.Generator().manual_seed(1)
+    m, n = cfg["n"], cfg["k"] - 16  # any M, N (rows of the along-tokens operands)
+    a_data, a_scale = quantize_blocks(routed_rows(schedule, m, gen, DEVICE).T.contiguous(), 1, 128)
+    b_data, b_scale = quantize_blocks(routed_rows(schedule, n, gen, DEVICE).T.contiguous(), 1, 128)
+    got = fp8_gemm.weight_grad(a_data, a_scale, b_data, b_scale, schedule, engine="triton")
+    assert got.shape == (schedule.num_experts, m, n) and got.dtype == torch.bfloat16
+    ref, size = reference_wgrad(a_data, a_scale, b_data, b_scale, schedule)
+    assert_close(got, ref, size, case)
+    counts = schedule.tokens_per_expert.tolist()
+    for e, count in enumerate(counts):
+        if count == 0:
+            assert torch.equal(got[e], torch.zeros_like(got[e])), f"expert {e} has no rows: zeros expected"
+    if case == "empty experts":
+        assert 0 in counts
+    again = fp8_gemm.weight_grad(a_data, a_scale, b_data, b_scale, schedule, engine="triton")
+    assert torch.equal(got, again)
+
+
+def test_validation_errors():
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**CASES["random"])
+    gg = fp8_gemm.grouped_gemm
+    with pytest.raises(ValueError, match="a_data"):
+        gg(a_data.float(), a_scale, b_data, b_scale, schedule)
+    with pytest.raises(ValueError, match="a_scale"):
+        gg(a_data, a_scale[:, :1], b_data, b_scale, schedule)
+    with pytest.raises(ValueError, match="b_scale"):
+        gg(a_data, a_scale, b_data, b_scale.double(), schedule)
+    with pytest.raises(ValueError, match="b_data"):
+        gg(a_data, a_scale, b_data[:, :, :128], b_scale, schedule)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gg(a_data[:, :40], a_scale[:, :1], b_data[:, :, :40], b_scale[:, :, :1], schedule)
+    with pytest.raises(ValueError, match="out"):
+        gg(a_data, a_scale, b_data, b_scale, schedule, out=torch.empty(3, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="engine"):
+        gg(a_data, a_scale, b_data, b_scale, schedule, engine="cublas")
+    if not gluon_common.available():
+        with pytest.raises(ValueError, match="gluon"):
+            gg(a_data, a_scale, b_data, b_scale, schedule, engine="gluon")
+    with pytest.raises(ValueError, match="block_m"):
+        small = build_schedule(make_routing(8, 2, 1)[1].to(DEVICE), 2, 64)
+        x = torch.zeros(8, small.capacity, device=DEVICE).to(torch.float8_e4m3fn)
+        s = torch.ones(8, 1, device=DEVICE)
+        fp8_gemm.weight_grad(x, s, x, s, small)
+
+
+# ---------------------------------------------------------------- GPU: the Gluon engine against the Triton engine
+
+requires_gluon = pytest.mark.skipif(not gluon_common.available(),
+                                    reason="the Gluon FP8 engine needs an sm_90 GPU and Triton 3.6")
+
+GPU_CASES = {
+    "kimi gate/up": dict(tokens=2048, experts=8, top_k=2, kind="random", k=7168, n=4096),
+    "kimi down": dict(tokens=2048, experts=8, top_k=2, kind="random", k=2048, n=7168),
+    "ragged": dict(tokens=333, experts=6, top_k=2, kind="empty", k=320, n=200),
+    "one expert": dict(tokens=300, experts=4, top_k=1, kind="one", k=256, n=384),
+    "one token": dict(tokens=1, experts=4, top_k=2, kind="random", k=128, n=128),
+}
+
+
+def assert_engines_agree(got, want, what):
+    """The engines run the same instruction sequence per element (fp8 wgmma from zero per 128-K step, one fp32
+    fma promotion, one bf16 rounding), so they should agree bit for bit; a different wgmma N-width between
+    them could change the MMA's internal rounding, so one bf16 rounding step is tolerated (and reported)."""
+    assert not got.isnan().any(), f"{what}: NaN (unwritten) elements"
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2 ** -8 + 1e-30).all(), (
+        f"{what}: {(diff > 0).sum().item()} elements differ, max {diff.max().item():.3g}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", ["kimi gate/up", "ragged"])
+def test_triton_engine_on_gpu_matches_emulation(case):
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**GPU_CASES[case])
+    got = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule, engine="triton")
+    ref, size, used = reference_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    assert_close(got[:used], ref[:used], size[:used], case)
+
+
+@requires_gluon
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gluon_grouped_gemm_matches_triton(case):
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**GPU_CASES[case])
+    n = b_data.shape[1]
+    out = torch.full((schedule.capacity, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule, out=out, engine="gluon")
+    want = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule, engine="triton")
+    used = int(schedule.expert_offsets[-1])
+    assert_engines_agree(got[:used], want[:used], case)
+    again = fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule, engine="gluon")
+    assert torch.equal(got[:used], again[:used])
+
+
+@requires_gluon
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gluon_weight_grad_matches_triton(case):
+    cfg = GPU_CASES[case]
+    schedule, *_ = make_case(**cfg)
+    gen = torch.Generator().manual_seed(1)
+    m, n = cfg["n"], cfg["k"]
+    a_data, a_scale = quantize_blocks(routed_rows(schedule, m, gen, "cuda").T.contiguous(), 1, 128)
+    b_data, b_scale = quantize_blocks(routed_rows(schedule, n, gen, "cuda").T.contiguous(), 1, 128)
+    got = fp8_gemm.weight_grad(a_data, a_scale, b_data, b_scale, schedule, engine="gluon")
+    want = fp8_gemm.weight_grad(a_data, a_scale, b_data, b_scale, schedule, engine="triton")
+    assert_engines_agree(got, want, case)
+    assert torch.equal(got, fp8_gemm.weight_grad(a_data, a_scale, b_data, b_scale, schedule, engine="gluon"))
+
+
+@requires_gluon
+def test_auto_engine_is_gluon_on_hopper(monkeypatch):
+    from serval.kernels import gluon_fp8
+    calls = []
+    real = gluon_fp8.grouped_gemm
+    monkeypatch.setattr(gluon_fp8, "grouped_gemm", lambda *a: calls.append(1) or real(*a))
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**GPU_CASES["one token"])
+    fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule)
+    assert calls == [1]
