@@ -371,8 +371,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         kept = None
     else:
         precision.check_inputs(recipe, x.dtype, w_gate.shape[1], schedule.block_m)
-        out, kept = precision.forward(ops, recipe, _rows_in(ops, x, schedule, transport), w_gate, w_up, w_down,
-                                      schedule, swiglu_limit)
+        x_rows = None if transport is None else transport.pull(x, schedule.row_source)
+        out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit)
         gate_up = None
         shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
     if shared is not None:
@@ -403,8 +403,9 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
         gate_up, _, shared_gate_up, _ = _gate_up(ops, x, w_gate, w_up, shared, ctx.schedule, ctx.shared_schedule,
                                                  ctx.swiglu_limit, workspace)
         return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
-    _, kept = precision.forward(ops, recipe, _rows_in(ops, x, ctx.schedule, _transport(workspace)), w_gate, w_up,
-                                w_down, ctx.schedule, ctx.swiglu_limit)
+    transport = _transport(workspace)
+    x_rows = None if transport is None else transport.pull(x, ctx.schedule.row_source)
+    _, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, ctx.schedule, ctx.swiglu_limit)
     shared_gate_up, _ = _shared_gate_up(ops, x, shared, ctx.shared_schedule, ctx.swiglu_limit)
     return dataclasses.replace(ctx, kept=kept, shared_gate_up=shared_gate_up)
 

@@ -58,16 +58,17 @@ class Recipe:
     weight_block: tuple[int, int] | None  # None: 1 x block along each GEMM's K
     fp8_gemm: bool
 
-    def rows(self, t: torch.Tensor, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
-        """t [R, C] quantized along C; with the exact dequantized values where the GEMMs run in BF16."""
+    def rows(self, t: torch.Tensor, *, keep: bool = False, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
+        """t [R, C] quantized along C; with the exact dequantized values where the GEMMs run in BF16, unless
+        the copy is only kept for backward (`keep`)."""
         return quantize(t, block=(1, self.block), scale_format=self.scale_format,
-                        dequantized=not self.fp8_gemm, **kwargs)
+                        dequantized=not (self.fp8_gemm or keep), **kwargs)
 
-    def tokens(self, t: torch.Tensor, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
+    def tokens(self, t: torch.Tensor, *, keep: bool = False, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
         """t [R, C] quantized along R (tokens); stored [C, R] (K-contiguous for an FP8 weight gradient) when
-        the GEMMs run in FP8, else [R, C] with its dequantized values."""
+        the GEMMs run in FP8, else [R, C] with its dequantized values (unless only kept: `keep`)."""
         return quantize(t, block=(self.block, 1), scale_format=self.scale_format, transpose=self.fp8_gemm,
-                        dequantized=not self.fp8_gemm, **kwargs)
+                        dequantized=not (self.fp8_gemm or keep), **kwargs)
 
     def weight(self, w: torch.Tensor, k_dim: int):
         """Expert weights [E, A, B] quantized for a GEMM whose K is dim `k_dim` (1 or 2).
@@ -143,18 +144,34 @@ def _gate_up_weights(recipe: Recipe, w_gate, w_up, k_dim: int) -> QuantizedTenso
                            gate.block, gate.transposed)
 
 
-def forward(ops, recipe: Recipe, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit):
-    """The routed experts on their rows x_rows [R, H] (bf16; padding rows zero): (o [R, H] bf16, Kept)."""
-    x_q, x_deq = recipe.rows(x_rows)
+def _gathered(ops, q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
+    """The schedule's rows of a row-quantized token tensor (padding rows: zero data and scale)."""
+    return q._replace(data=ops.gather(q.data.view(torch.uint8), schedule).view(q.data.dtype),
+                      scale=ops.gather(q.scale, schedule))
+
+
+def _packed(q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
+    """The packed rows (`serval.schedule.packed_rows`) of a row-quantized [R, C] tensor."""
+    index = packed_rows(schedule)
+    return q._replace(data=q.data.view(torch.uint8)[index].view(q.data.dtype), scale=q.scale[index])
+
+
+def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit):
+    """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
+    at EP (quantized after the pull), None at EP=1, where the tokens are quantized once and their rows
+    gathered in E4M3 (row blocks do not depend on the row order: the same bits, a k-th of the work)."""
     if recipe.fp8_gemm:
+        x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
         gate_up_rows = ops.fp8_grouped_gemm(x_q, _gate_up_weights(recipe, w_gate, w_up, 2), schedule)
         h = ops.swiglu(gate_up_rows, swiglu_limit)
-        gate_up = gate_up_rows[packed_rows(schedule)]  # kept packed, as BF16 keeps it
-    else:
+        gate_up = _packed(recipe.rows(gate_up_rows)[0], schedule)  # kept packed, as BF16 keeps it
+    else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
+        x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
         gate_up, h = ops.gate_up_swiglu(x_deq, recipe.weight(w_gate, 2), recipe.weight(w_up, 2), schedule,
-                                        swiglu_limit, a_rows=x_deq)
+                                        swiglu_limit, a_rows=None if x_rows is None else x_deq)
+        gate_up = recipe.rows(gate_up, keep=True)[0]
     h_q, h_deq = recipe.rows(h)
-    kept = Kept(recipe.rows(gate_up)[0], recipe.tokens(h)[0])
+    kept = Kept(gate_up, recipe.tokens(h, keep=True)[0])
     if recipe.fp8_gemm:
         out = ops.fp8_grouped_gemm(h_q, recipe.weight(w_down, 2), schedule)
     else:

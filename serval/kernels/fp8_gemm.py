@@ -110,8 +110,8 @@ def _fp8_gemm_kernel(
             b = tl.load(b_cols[None, :] + (k + offs_k)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             sa = tl.load(sa_rows + kb * stride_as_k, mask=row_ok, other=0.0)
             sb = tl.load(sb_cols + kb * stride_bs_k, mask=col_ok, other=0.0)
-            if UPCAST == "fp32":  # interpreter: exact fp32 products
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            if UPCAST == "fp32":  # interpreter: fp64 sums (numpy's fp32 matmul order depends on the layout)
+                part = tl.dot(a.to(tl.float32).to(tl.float64), b.to(tl.float32).to(tl.float64)).to(tl.float32)
             elif UPCAST == "bf16":  # no fp8 MMA (before sm_89): e4m3 values are exact in bf16
                 part = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
             else:

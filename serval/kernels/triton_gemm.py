@@ -101,9 +101,9 @@ def _load_w(w_desc, w_ptr, expert, n0, k, N_OUT, K,
 
 @triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
-    if UPCAST:  # interpreter: bf16 tl.dot is wrong there, fp32 is exact enough
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+    if UPCAST:  # interpreter: bf16 tl.dot is wrong there, and numpy's fp32 matmul sums in an order that depends
+        # on the operands' layout (EP != EP=1 bits): fp64 products and sums, rounded once per K step
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
     if a.dtype == tl.float32:  # fp32 operands mean fp32 products (never TF32), as the torch stages compute
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)

@@ -33,7 +33,7 @@ One persistent kernel, `_wgrad_kernel`:
   (`tl.range(flatten=True)` does not apply: the inner trip count varies.)
 * USE_TMA: tensor descriptors for the A / B tiles and the output tile (Hopper,
   and the Triton >= 3.9 interpreter); otherwise plain pointer loads/stores.
-* UPCAST (interpreter only): fp32 dot operands, the interpreter's bf16 dot is wrong.
+* UPCAST (interpreter only): fp64 dot products and sums (`_dot`): the interpreter's bf16 dot is wrong.
 
 Configs come from a fixed table (`pick_config`), never from timing.
 """
@@ -162,6 +162,15 @@ def _count_progression(lo, hi, first, step):
 
 
 @triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a^T b. UPCAST (interpreter): the bf16 dot is wrong there, and numpy's fp32 matmul sums in an order
+    that depends on the operands' layout, so fp64 products and sums, rounded once per step: layout-free."""
+    if UPCAST:
+        return acc + tl.dot(tl.trans(a).to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    return tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _load_a(a_desc, a_ptr, row, col, R, P, stride_a, BK: tl.constexpr, BP: tl.constexpr, USE_TMA: tl.constexpr):
     """A tile [BK, BP] at (row, col); columns past P read as zero."""
     if USE_TMA:
@@ -283,10 +292,7 @@ def _wgrad_kernel(
             for row in tl.range(row_begin, row_end, BK, num_stages=NUM_STAGES):
                 a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
                 b = _load_b(b_desc, b_ptr, row, q0, Q, stride_b, BK, BQ, USE_TMA)
-                if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+                acc = _dot(a, b, acc, UPCAST, PRECISION)
             _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, acc.to(out0_ptr.dtype.element_ty), expert, out,
                           p0, q0, P_OUT, Q, stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
     else:
@@ -332,10 +338,7 @@ def _wgrad_kernel(
             row = row_base + kk * BK
             a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
             b = _load_b(b_desc, b_ptr, row, q0, Q, stride_b, BK, BQ, USE_TMA)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+            acc = _dot(a, b, acc, UPCAST, PRECISION)
             kk += 1
             if kk == n_k:  # tile done: store it and start the next accumulator
                 c = tl.where(empty != 0, 0.0, acc).to(out0_ptr.dtype.element_ty)
