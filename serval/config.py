@@ -30,9 +30,10 @@ class Config:
     block_m: rows per expert segment alignment = the M tile of every grouped GEMM.
     recompute: keep only the inputs for backward and recompute the gate/up GEMM there.
     comm_sms_forward / comm_sms_backward (SMs given to communication), minibatch_size (rows per
-        compute/communication overlap step, a multiple of block_m), macrobatch_size (tokens per macrobatch,
-        None: the whole batch): knobs of the fused persistent EP kernel, which is not built: they are
-        validated, and nothing reads them today.
+        compute/communication overlap step, a multiple of block_m; None: MoK's rule, two full waves of tiles
+        per expert GEMM, `serval.overlap.layer_minibatch_rows`), macrobatch_size (tokens per macrobatch, None:
+        the whole batch): knobs of the fused persistent EP kernel, which is not built: they are validated, and
+        the layer reads none of them today (`tools/ep_cost_model.py` models them).
     capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
     kernel_plan: the engine and tiles of every GEMM stage on the kernel backend (`serval.plan.KernelPlan`);
         None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, never results.
@@ -49,7 +50,7 @@ class Config:
     recompute: bool = False
     comm_sms_forward: int = 20
     comm_sms_backward: int = 20
-    minibatch_size: int = 1024
+    minibatch_size: int | None = None
     macrobatch_size: int | None = None
     capacity_multiplier: float = 2.0
     debug: bool = False
@@ -72,9 +73,11 @@ class Config:
             value = getattr(self, name)
             if not _is_int(value) or not 0 <= value <= 128:
                 raise ValueError(f"Config.{name} must be an int in [0, 128], got {value!r}")
-        if not _is_int(self.minibatch_size) or self.minibatch_size <= 0 or self.minibatch_size % self.block_m:
+        if self.minibatch_size is not None and (not _is_int(self.minibatch_size) or self.minibatch_size <= 0
+                                                or self.minibatch_size % self.block_m):
             raise ValueError(
-                f"Config.minibatch_size must be a positive multiple of block_m={self.block_m}, got {self.minibatch_size!r}"
+                f"Config.minibatch_size must be None or a positive multiple of block_m={self.block_m}, got "
+                f"{self.minibatch_size!r}"
             )
         if self.macrobatch_size is not None and (not _is_int(self.macrobatch_size) or self.macrobatch_size <= 0):
             raise ValueError(f"Config.macrobatch_size must be None or a positive int, got {self.macrobatch_size!r}")

@@ -255,7 +255,8 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
     (`serval.kernels.KernelStages`, run as `config.kernel_plan` says, or the plan chosen for x).
 
     Config.backend "auto" takes the kernels for bf16 on CUDA when every feature dimension (H, I, Is) is a
-    multiple of 8, i.e. 16-byte rows; other shapes take the torch stages (see `serval.kernels.supports`).
+    multiple of 8, i.e. 16-byte rows (16 for fp8_blockwise: 16-byte E4M3 rows); other shapes take the torch
+    stages (see `serval.kernels.supports`).
     """
     if config.backend == "torch":
         return stages
@@ -263,8 +264,8 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
 
     dims = (x.shape[1], w_gate.shape[1]) + (() if shared is None else (shared[0].shape[0],))
     if config.backend == "triton":
-        kernels.check_supported(x.device, dims)
-    elif not (x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims)):
+        kernels.check_supported(x.device, dims, config.precision)
+    elif not (x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims, config.precision)):
         return stages
     return kernels.KernelStages(config.kernel_plan or kernels.plan_for(x))
 

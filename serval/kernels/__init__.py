@@ -95,16 +95,21 @@ def _warn_no_gluon(triton_version: str) -> None:
                   f"{GLUON_VERSIONS[-1]}.*')", RuntimeWarning, stacklevel=3)
 
 
-def supports(feature_dims) -> bool:
+def supports(feature_dims, precision: str = "bf16") -> bool:
     """Whether the kernels take this problem: under the interpreter any shape; on the GPU, feature dimensions
-    (H, I, Is) that are multiples of 8 (16-byte rows)."""
+    (H, I, Is) that are multiples of 8 (16-byte rows). fp8_blockwise everywhere: multiples of 16 (16-byte E4M3
+    rows, the FP8 GEMMs' K)."""
+    if precision == "fp8_blockwise":
+        return all(d % 16 == 0 for d in feature_dims)
     return INTERPRET or all(d % 8 == 0 for d in feature_dims)
 
 
-def check_supported(device, feature_dims) -> None:
+def check_supported(device, feature_dims, precision: str = "bf16") -> None:
     if device.type != "cuda" and not INTERPRET:
         raise ValueError(f"serval.kernels: Config(backend='triton') needs CUDA tensors (or TRITON_INTERPRET=1), "
                          f"got tensors on {device}")
-    if not supports(feature_dims):
+    if not supports(feature_dims, precision):
+        multiple = 16 if precision == "fp8_blockwise" else 8
         raise ValueError(f"serval.kernels: feature dimensions (H, I[, Is]) = {tuple(feature_dims)} must be "
-                         "multiples of 8 on the GPU; use Config(backend='auto') or 'torch' for other shapes")
+                         f"multiples of {multiple} for the kernels here; use Config(backend='auto') or 'torch' "
+                         "for other shapes")
