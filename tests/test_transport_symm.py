@@ -229,6 +229,17 @@ def test_transport_methods_two_ranks():
     expected = reference_push([pushed], [layout], 2, num_slots, fill_value=SENTINEL)
     assert torch.equal(view, expected[0])
 
+    # all_gather over the symmetric buffers (no host sync with any group backend): any leading size, any dtype
+    for t in (torch.arange(num_tokens * top_k, dtype=torch.int64, device=DEVICE).view(num_tokens, top_k),
+              _random((6, 3), torch.float32, seed=5), _random((7,), torch.float32, seed=6)):
+        flat = t.reshape(t.shape[0], -1)
+        peer = (flat * 3 + 1).to(t.dtype)
+        transport._buffer("gather", flat.shape[0], flat.shape[1], t.dtype).peer.copy_(peer)
+        before = len(transport.log)
+        gathered = transport.all_gather(t)
+        assert torch.equal(gathered, torch.cat([t, peer.view(t.shape)]))
+        assert transport.log[before:] == [("barrier", 3, 1234)] * 2
+
     with pytest.raises(ValueError, match="N = 4"):
         transport.pull(tokens[:3], layout)
     with pytest.raises(ValueError, match="row sources"):

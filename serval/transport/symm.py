@@ -233,11 +233,18 @@ class SymmetricMemoryTransport:
     # -- the Transport interface -----------------------------------------------------------
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[P * N, ...]: every rank's `t` [N, ...], concatenated in rank order (no host sync)."""
-        t = t.detach().contiguous()
-        out = torch.empty((self.world_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t, group=self.group)
-        return out
+        """[P * M, ...]: every rank's `t` [M, ...] (the same M everywhere), concatenated in rank order. Over
+        symmetric memory (a copy into this rank's buffer, a barrier, one pull of every rank's rows, a barrier),
+        so no host sync whatever the group's backend (a gloo group's all_gather syncs on CUDA tensors)."""
+        flat = t.detach().reshape(t.shape[0], -1) if t.dim() > 1 else t.detach().reshape(-1, 1)
+        rows, cols = flat.shape
+        buffer = self._buffer("gather", rows, cols, flat.dtype)
+        buffer.local.copy_(flat)
+        self._barrier(buffer)  # every rank's rows are in place
+        every_row = torch.arange(self.world_size * rows, device=self.device, dtype=torch.int32)
+        out = pull_rows(buffer.table, every_row, rows, 1, cols, flat.dtype, aligned=buffer.aligned)
+        self._barrier(buffer)  # every reader is done: the next gather may overwrite the buffers
+        return out.view(self.world_size * t.shape[0], *t.shape[1:])
 
     def pull(self, tokens: torch.Tensor, row_source: torch.Tensor) -> torch.Tensor:
         """tokens [N, C] -> rows [R, C]: rows[r] = owner(r)'s tokens[token(r)]; zeros where row_source is -1."""
