@@ -38,14 +38,10 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
         pull = in_gemm_pull.Pull(pull_from, max(plan.pull_programs, 1), plan.pull_block_c, *pull_flags)
         return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, plan.gate_up_tiles,
                                           plan.use_tma, pull=pull)
-    if plan.gate_up_engine == "cooperative":
-        if a_rows is None and gluon_common.takes(schedule, x, w_gate, w_up):
+    if a_rows is None:
+        if plan.gate_up_engine == "cooperative" and gluon_common.takes(schedule, x, w_gate, w_up):
             return gluon_cooperative.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, plan.cooperative_gather,
                                                     gather=True)
-        if a_rows is not None and gluon_common.takes(schedule, a_rows, w_gate, w_up):  # rows made (FP8, EP)
-            return gluon_cooperative.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit,
-                                                    plan.cooperative_store, gather=False)
-    if a_rows is None:
         a_rows = gather_rows(x, schedule)
     return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, plan.gate_up_tiles,
                                       plan.use_tma)
