@@ -372,6 +372,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         kept = None
     else:
         precision.check_inputs(recipe, x.dtype, w_gate.shape[1], schedule.block_m)
+        if config.debug:
+            precision.check_finite("x", x)
         x_rows = None if transport is None else transport.pull(x, schedule.row_source)
         out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit)
         gate_up = None
@@ -461,6 +463,8 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
             ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
             ctx.swiglu_limit, transport, shared_d_x)
     else:
+        if config.debug:
+            precision.check_finite("d_y", d_y)
         schedule = ctx.schedule
         d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = precision.backward(
             ops, recipe, _rows_in(ops, d_y, schedule, transport), _rows_in(ops, x, schedule, transport), ctx.kept,

@@ -107,6 +107,14 @@ def check_inputs(recipe: Recipe, dtype: torch.dtype, inter: int, block_m: int) -
                          f"w_up), got {inter}")
 
 
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """ValueError if t holds a NaN or Inf (a host sync: `Config(debug=True)` only). Without the check a NaN or
+    Inf makes its quantization blocks NaN, and the NaN propagates to the outputs and gradients it reaches."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"serval.moe: {name} holds NaN or Inf (Config(debug=True) checks it before the FP8 "
+                         "quantization, which would turn its blocks into NaN)")
+
+
 class Kept(NamedTuple):
     """What a low-precision forward keeps for backward (see the module docstring)."""
 

@@ -176,3 +176,13 @@ def test_fp8_blockwise_on_a_hidden_size_its_kernels_do_not_take():
         assert rel_err(a, b) < 1e-2, name
     with pytest.raises(ValueError, match="multiples of 16"):
         serval.moe(x, rw, ids, *weights, config=serval.Config(precision="fp8_blockwise", backend="triton"))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_nan_in_x_propagates_or_is_an_error_in_debug_mode(precision):
+    x, rw, ids, weights, d_y = _inputs(24, 128, 128, 4, 2, "random", device="cpu")
+    x[3, 5] = float("nan")
+    y = serval.moe(x, rw, ids, *weights, config=serval.Config(precision=precision))
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[:3].float()).all()  # the token's blocks, not its neighbours
+    with pytest.raises(ValueError, match="x holds NaN or Inf"):
+        serval.moe(x, rw, ids, *weights, config=serval.Config(precision=precision, debug=True))
