@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import serval
-from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
+from conftest import (CUDA, check_sync_free_and_graph_replay, cuda_layer_step, make_layer, make_routing, rel_err,
+                      requires_cuda)
 
 PRECISIONS = ["mxfp8", "fp8_blockwise"]
 DEVICE = "cuda" if CUDA else "cpu"
@@ -137,33 +138,10 @@ def test_torch_compile_fullgraph(precision):
 @requires_cuda
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_no_host_sync_and_cuda_graph(precision):
-    x, rw, ids, weights, d_y = _inputs(512, 1024, 512, 8, 2, "random")
+    step = cuda_layer_step()  # fresh leaves every step (conftest: a reused leaf breaks the capture)
     config = serval.Config(precision=precision)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, rw, *weights)]
-
-    def step():
-        y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:], config=config)
-        return (y, *torch.autograd.grad(y, leaves, d_y))
-
-    eager = step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(captured, eager):
-        assert torch.equal(a, b)
+    eager = step(config)
+    check_sync_free_and_graph_replay(lambda: step(config), eager)
 
 
 def test_fp8_blockwise_on_a_hidden_size_its_kernels_do_not_take():

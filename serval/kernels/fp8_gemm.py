@@ -164,9 +164,11 @@ def _check_devices(schedule: Schedule, **tensors):
             raise ValueError(f"{name} is on {t.device}, the schedule on {device}")
 
 
-def _engine(engine: str, gluon_ok: bool) -> str:
+def _engine(engine: str, schedule: Schedule, *tensors: torch.Tensor) -> str:
+    """The engine that runs: `engine`, or for "auto" Gluon where it runs and takes the operands, else Triton."""
     if engine not in ENGINES:
         raise ValueError(f"engine: expected one of {ENGINES}, got {engine!r}")
+    gluon_ok = engine != "triton" and _gluon_takes(schedule, *tensors)
     if engine == "gluon" and not gluon_ok:
         raise ValueError(f"engine='gluon': the Gluon FP8 engine does not run here or does not take these operands "
                          f"(it needs an sm_90 GPU, Triton {'/'.join(GLUON_VERSIONS)}, contiguous 16-byte aligned "
@@ -243,11 +245,7 @@ def grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tens
         raise ValueError(f"out: expected a contiguous bfloat16 [{num_rows}, {n}] tensor, got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
     _check_devices(schedule, a_data=a_data, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
-    if engine == "gluon" or engine == "auto":
-        choice = _engine(engine, _gluon_takes(schedule, a_data, b_data, out))
-    else:
-        choice = _engine(engine, False)
-    if choice == "gluon":
+    if _engine(engine, schedule, a_data, b_data, out) == "gluon":
         from . import gluon_fp8
         gluon_fp8.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule, out, config)
         return out
@@ -296,11 +294,7 @@ def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tenso
     num_experts = schedule.num_experts
     out = common.empty((num_experts, m, n), torch.bfloat16, a_data.device)
     _check_devices(schedule, a_data=a_data, a_scale=a_scale, b_data=b_data, b_scale=b_scale)
-    if engine == "gluon" or engine == "auto":
-        choice = _engine(engine, _gluon_takes(schedule, a_data, b_data, out))
-    else:
-        choice = _engine(engine, False)
-    if choice == "gluon":
+    if _engine(engine, schedule, a_data, b_data, out) == "gluon":
         from . import gluon_fp8
         gluon_fp8.weight_grad(a_data, a_scale, b_data, b_scale, schedule, out, config)
         return out
