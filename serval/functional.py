@@ -394,9 +394,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
 
 
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
-                              config: Config | None = None, workspace: Workspace | None = None,
-                              w_down=None) -> ForwardContext:
-    """Fill in what a `Config(recompute=True)` forward did not keep (the FP8 precisions need w_down)."""
+                              config: Config | None = None, workspace: Workspace | None = None) -> ForwardContext:
+    """Fill in what a `Config(recompute=True)` forward did not keep."""
     config = config or Config()
     recipe = precision.recipe_of(config.precision)
     if ctx.gate_up is not None or ctx.kept is not None:
@@ -408,7 +407,7 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
         return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
     transport = _transport(workspace)
     x_rows = None if transport is None else transport.pull(x, ctx.schedule.row_source)
-    _, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, ctx.schedule, ctx.swiglu_limit)
+    _, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, None, ctx.schedule, ctx.swiglu_limit)
     shared_gate_up, _ = _shared_gate_up(ops, x, shared, ctx.shared_schedule, ctx.swiglu_limit)
     return dataclasses.replace(ctx, kept=kept, shared_gate_up=shared_gate_up)
 
@@ -442,8 +441,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     config = config or Config()
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
-    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
-                                    w_down=w_down)
+    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace)
     d_y = d_y.contiguous()
     shared_d_x = shared_grads = None
     if shared is not None:  # the shared expert: every local token once, rows = tokens, never moved

@@ -167,7 +167,8 @@ def _packed(q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit):
     """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
     at EP (quantized after the pull), None at EP=1, where the tokens are quantized once and their rows
-    gathered in E4M3 (row blocks do not depend on the row order: the same bits, a k-th of the work)."""
+    gathered in E4M3 (row blocks do not depend on the row order: the same bits, a k-th of the work).
+    w_down None: what backward keeps only (recomputation), (None, Kept)."""
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
         gate_up_rows = ops.fp8_grouped_gemm(x_q, _gate_up_weights(recipe, w_gate, w_up, 2), schedule)
@@ -178,8 +179,10 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
         gate_up, h = ops.gate_up_swiglu(x_deq, recipe.weight(w_gate, 2), recipe.weight(w_up, 2), schedule,
                                         swiglu_limit, a_rows=None if x_rows is None else x_deq)
         gate_up = recipe.rows(gate_up, keep=True)[0]
-    h_q, h_deq = recipe.rows(h)
     kept = Kept(gate_up, recipe.tokens(h, keep=True)[0])
+    if w_down is None:
+        return None, kept
+    h_q, h_deq = recipe.rows(h)
     if recipe.fp8_gemm:
         out = ops.fp8_grouped_gemm(h_q, recipe.weight(w_down, 2), schedule)
     else:
