@@ -211,6 +211,12 @@ def test_ep_triton_kernels_in_interpreter(pull_programs, tmp_path):
     run(2, tmp_path, backend="triton", pull_programs=pull_programs)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
+def test_ep_fp8_kernels_in_interpreter(tmp_path):
+    """fp8_blockwise at EP on the kernels (quantizer, FP8 GEMMs, SwiGLU row passes): bitwise equal to EP=1."""
+    run(2, tmp_path, backend="triton", precision="fp8_blockwise", inter=128)
+
+
 def test_ep_cpu_without_numpy(tmp_path):
     mp.spawn(without_numpy_worker, args=(2, str(tmp_path / "init"), "random", "torch", 2.0, "cpu", N, 0),
              nprocs=2, join=True)
