@@ -2,6 +2,7 @@
 
     python tools/ncu_layer.py --shapes qwen3-30b-a3b,kimi-k2 --impls serval
     source benchmarks/install_sonicmoe.sh && python tools/ncu_layer.py --impls serval,sonicmoe
+    python tools/ncu_layer.py --shapes kimi-k2 --impls serval --precision fp8_blockwise   # where an FP8 step goes
 
 For each (shape, implementation) this script runs itself under `ncu` (on PATH or in /usr/local/cuda/bin):
 the child process runs warm-up steps (compiles, autotunes), then one forward + backward between
@@ -31,7 +32,7 @@ import torch
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
-from bench_layer import SHAPES, TINY_SHAPES, load_impl, make_inputs, make_params, pass_fn  # noqa: E402
+from bench_layer import SHAPES, TINY_SHAPES, load_impl, make_inputs, make_params, pass_fn, serval_impl  # noqa: E402
 
 # (column, ncu metric, how a kernel's calls combine: "sum" or "time" = time-weighted mean)
 METRICS = [
@@ -55,10 +56,14 @@ def find_ncu():
     return shutil.which("ncu") or (default if os.path.exists(default) else None)
 
 
-def child(shape_name, impl_name, scope, sonic_configs):
-    """Warm up, then one profiled forward + backward (what ncu collects)."""
+def child(shape_name, impl_name, scope, sonic_configs, precision):
+    """Warm up, then one profiled forward + backward (what ncu collects); serval's routed experts in
+    `precision`."""
     device = torch.device("cuda")
-    loaded = load_impl(impl_name, device, argparse.Namespace(sonic_configs=sonic_configs))
+    if impl_name == "serval" and precision != "bf16":
+        loaded = serval_impl((("precision", precision),)), None
+    else:
+        loaded = load_impl(impl_name, device, argparse.Namespace(sonic_configs=sonic_configs))
     if loaded is None:
         sys.exit(3)
     impl, prepare = loaded
@@ -110,12 +115,12 @@ def parse(text, per_launch=False):
     return kernels
 
 
-def profile(ncu, shape_name, impl_name, scope, sonic_configs, timeout, per_launch=False):
+def profile(ncu, shape_name, impl_name, scope, sonic_configs, timeout, per_launch=False, precision="bf16"):
     """The child once without ncu (compiles and autotuning land in the disk caches: Triton's, quack's .o
     files, quack's autotuning results with QUACK_CACHE_AUTOTUNING=1; under ncu they would take many
     minutes), then under ncu."""
     child_cmd = [sys.executable, os.path.abspath(__file__), "--child", shape_name, impl_name, scope,
-                 str(sonic_configs)]
+                 str(sonic_configs), precision]
     env = {**os.environ, "QUACK_CACHE_AUTOTUNING": "1"}
     metrics = ",".join(metric for _, metric, _ in METRICS)
     for cmd in (child_cmd, [ncu, "--clock-control", "none", "--profile-from-start", "off", "--print-kernel-base",
@@ -159,12 +164,14 @@ def print_kernels(title, kernels):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-30b-a3b")
     parser.add_argument("--impls", default="serval")
     parser.add_argument("--scope", default="routed", choices=["routed", "layer"])
     parser.add_argument("--sonic-configs", type=int, default=3, help="autotuning configs per SonicMoE (quack) GEMM")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "mxfp8", "fp8_blockwise"],
+                        help="serval's routed experts in this precision (the other implementations are bf16)")
     parser.add_argument("--per-launch", action="store_true",
                         help="one row per kernel launch, in launch order (default: per kernel, summed over its calls)")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per (shape, implementation)")
@@ -182,12 +189,15 @@ def main():
     for shape_name in args.shapes.split(","):
         for impl_name in args.impls.split(","):
             kernels = profile(ncu, shape_name, impl_name, args.scope, args.sonic_configs, args.timeout,
-                              args.per_launch)
+                              args.per_launch, args.precision if impl_name == "serval" else "bf16")
             if kernels is None:
                 continue
-            print_kernels(f"{shape_name} {impl_name} ({args.scope}, one forward + backward under ncu)", kernels)
+            print_kernels(f"{shape_name} {impl_name} {args.precision if impl_name == 'serval' else 'bf16'} "
+                          f"({args.scope}, one forward + backward under ncu)", kernels)
             records = json.load(open(args.out)) if os.path.exists(args.out) else []  # appended as it goes
-            records += [dict(shape=shape_name, impl=impl_name, scope=args.scope, kernel=name, **k, **info)
+            precision = args.precision if impl_name == "serval" else "bf16"
+            records += [dict(shape=shape_name, impl=impl_name, precision=precision, scope=args.scope, kernel=name,
+                             **k, **info)
                         for name, k in kernels.items()]
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
