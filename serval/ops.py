@@ -60,7 +60,8 @@ class QuantizedTensor(NamedTuple):
 
 def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", transpose: bool = False,
              row_scale: torch.Tensor | None = None, dequantized: bool = False, check_finite: bool = False,
-             backend: str = "auto") -> tuple[QuantizedTensor, torch.Tensor | None]:
+             backend: str = "auto", out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[QuantizedTensor, torch.Tensor | None]:
     """Quantize t [R, C] or [E, R, C] (bf16, fp16 or fp32, any strides) to FP8 with one scale per block.
 
     Returns (QuantizedTensor, dequantized): dequantized (with `dequantized=True`, else None) holds the
@@ -70,9 +71,13 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
     K-contiguous copy of a GEMM operand). row_scale: fp32 [R], 2-D t only (the rule's step 1).
     backend: "auto" runs the Triton kernel on CUDA tensors and the torch reference on CPU ones; "torch"
     the reference anywhere; "triton" the kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
+    out: (data, scale) tensors of the result's shapes and dtypes (views allowed, last dim contiguous) to write
+    into, e.g. two halves of one buffer, so that joining quantized tensors costs no copy.
     The rule, NaN handling and check_finite: the module docstring.
     """
     block = _check(t, block, scale_format, transpose, row_scale, backend)
+    if out is not None:
+        _check_out(t, block, scale_format, transpose, out)
     if check_finite:
         if not torch.isfinite(t).all():
             raise ValueError("quantize: t holds NaN or Inf (check_finite=True)")
@@ -81,12 +86,16 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
     use_triton = backend == "triton" or (backend == "auto" and t.is_cuda)
     squeeze = t.dim() == 2
     t3 = t.unsqueeze(0) if squeeze else t
+    out3 = None if out is None else tuple(o.unsqueeze(0) if squeeze else o for o in out)
     if use_triton:
         from .kernels.quantize import quantize as quantize_kernel
 
-        data, scale, deq = quantize_kernel(t3, block, scale_format == "fp32", transpose, row_scale, dequantized)
+        data, scale, deq = quantize_kernel(t3, block, scale_format == "fp32", transpose, row_scale, dequantized,
+                                           out3)
     else:
         data, scale, deq = _quantize_torch(t3, block, scale_format, transpose, row_scale, dequantized)
+        if out3 is not None:
+            data, scale = out3[0].copy_(data), out3[1].copy_(scale)
     if squeeze:
         data, scale = data[0], scale[0]
         deq = deq[0] if deq is not None else None
@@ -148,6 +157,20 @@ def _check(t, block, scale_format, transpose, row_scale, backend) -> tuple[int, 
                              f"{t.device}, got " + (f"{row_scale.dtype} {tuple(row_scale.shape)} on {row_scale.device}"
                                                     if isinstance(row_scale, torch.Tensor) else repr(row_scale)))
     return block
+
+
+def _check_out(t, block, scale_format, transpose, out) -> None:
+    """ValueError unless `out` is (data, scale) of the shapes and dtypes quantize makes, last dims contiguous."""
+    *batch, rows, cols = t.shape
+    n_r, n_c = -(-rows // block[0]), -(-cols // block[1])
+    shapes = ((*batch, cols, rows), (*batch, n_c, n_r)) if transpose else ((*batch, rows, cols), (*batch, n_r, n_c))
+    dtypes = (torch.float8_e4m3fn, torch.uint8 if scale_format == "e8m0" else torch.float32)
+    ok = isinstance(out, (tuple, list)) and len(out) == 2 and all(
+        isinstance(o, torch.Tensor) and tuple(o.shape) == shape and o.dtype == dtype and o.device == t.device
+        and o.stride(-1) == 1 for o, shape, dtype in zip(out, shapes, dtypes))
+    if not ok:
+        raise ValueError(f"quantize: out must be (data, scale): {dtypes[0]} {shapes[0]} and {dtypes[1]} {shapes[1]} "
+                         f"on {t.device}, last dims contiguous")
 
 
 def _quantize_torch(t, block, scale_format, transpose, row_scale, dequantized):

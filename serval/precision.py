@@ -144,12 +144,20 @@ def kept_like(recipe: Recipe, num_packed: int, capacity: int, inter: int, device
 
 def _gate_up_weights(recipe: Recipe, w_gate, w_up, k_dim: int) -> QuantizedTensor:
     """w_gate and w_up as one FP8 GEMM operand: [E, 2I, H] (K = H, forward) or [E, H, 2I] (K = I, dgrad), gate
-    first. Each is quantized on its own and the E4M3 data and scales joined (I % 128 == 0: the blocks are
-    those of the joined weight), which moves a third of the bytes of joining the bf16 weights first."""
-    gate, up = recipe.weight(w_gate, k_dim), recipe.weight(w_up, k_dim)
-    dim = 1 if k_dim == 2 else 2
-    return QuantizedTensor(torch.cat([gate.data, up.data], dim), torch.cat([gate.scale, up.scale], dim),
-                           gate.block, gate.transposed)
+    first. Each is quantized straight into its half of the joined buffer (I % 128 == 0: the blocks are those
+    of the joined weight), so joining them costs no pass."""
+    num_experts, inter, hidden = w_gate.shape
+    transpose = k_dim == 1
+    dim = 2 if transpose else 1
+    n_inter, n_hidden = (math.ceil(n / recipe.weight_block[0]) for n in (inter, hidden))
+    data_shape = (num_experts, hidden, 2 * inter) if transpose else (num_experts, 2 * inter, hidden)
+    scale_shape = (num_experts, n_hidden, 2 * n_inter) if transpose else (num_experts, 2 * n_inter, n_hidden)
+    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=w_gate.device)
+    scale = torch.empty(scale_shape, dtype=torch.float32, device=w_gate.device)
+    for half, w in enumerate((w_gate, w_up)):
+        out = (data.narrow(dim, half * inter, inter), scale.narrow(dim, half * n_inter, n_inter))
+        quantize(w, block=recipe.weight_block, scale_format=recipe.scale_format, transpose=transpose, out=out)
+    return QuantizedTensor(data, scale, recipe.weight_block, transpose)
 
 
 def _gathered(ops, q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:

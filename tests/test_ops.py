@@ -423,3 +423,24 @@ def test_mxfp8_quantize_of_the_contract():
     assert mxfp8_quantize(t)[1] is None
     with pytest.raises(ValueError, match="rowwise"):
         mxfp8_quantize(t, rowwise=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("transpose", [False, True])
+def test_out_writes_into_halves_of_one_buffer(backend, transpose):
+    """quantize(..., out=views) gives the bits of quantizing alone, written where the views are (no copy to
+    join two quantized tensors)."""
+    device = "cuda" if backend == "triton" and CUDA else "cpu"  # the kernel: on the GPU where there is one
+    a, b = varied(3, 256, 200, seed=11).to(device), varied(3, 256, 200, seed=12).to(device)
+    kwargs = dict(block=(128, 128), scale_format="fp32", transpose=transpose, backend=backend)
+    qa, qb = (ops.quantize(w, **kwargs)[0] for w in (a, b))
+    dim = 2 if transpose else 1
+    data = torch.cat([qa.data, qb.data], dim).fill_(0)  # the joined shapes; contents overwritten below
+    scale = torch.cat([qa.scale, qb.scale], dim).fill_(0)
+    for w, half in ((a, 0), (b, 1)):
+        views = [x.narrow(dim, half * x.shape[dim] // 2, x.shape[dim] // 2) for x in (data, scale)]
+        ops.quantize(w, **kwargs, out=views)
+    assert torch.equal(bits(data), bits(torch.cat([qa.data, qb.data], dim)))
+    assert torch.equal(bits(scale), bits(torch.cat([qa.scale, qb.scale], dim)))
+    with pytest.raises(ValueError, match="out must be"):
+        ops.quantize(a, **kwargs, out=(data, scale))

@@ -61,7 +61,8 @@ def _round_e4m3(q):
 
 @triton.jit
 def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr,
-                     data_ptr, scale_ptr, deq_ptr, R, C, n_scale_r, n_scale_c, n_tiles_c,
+                     data_ptr, stride_de, stride_dr, scale_ptr, stride_se, stride_sr, deq_ptr, R, C, n_scale_r,
+                     n_scale_c, n_tiles_c,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
                      FP32_SCALE: tl.constexpr, TRANSPOSE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
                      ROUND_INPUT: tl.constexpr, DEQUANTIZED: tl.constexpr):
@@ -118,13 +119,13 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr,
     scale_mask = (out_rows < n_scale_r)[:, None] & (out_cols < n_scale_c)[None, :]
     if TRANSPOSE:
         # [TILE_C, TILE_R] in registers: rows of TILE_R bytes along R, as contiguous as the load's rows along C
-        tl.store(data_ptr + e * R * C + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(byte),
+        tl.store(data_ptr + e * stride_de + cols.to(tl.int64)[:, None] * stride_dr + rows[None, :], tl.trans(byte),
                  mask=(cols < C)[:, None] & (rows < R)[None, :])
-        tl.store(scale_ptr + e * n_scale_r * n_scale_c + out_cols[None, :] * n_scale_r + out_rows[:, None],
+        tl.store(scale_ptr + e * stride_se + out_cols[None, :] * stride_sr + out_rows[:, None],
                  stored_scale, mask=scale_mask)
     else:
-        tl.store(data_ptr + e * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :], byte, mask=mask)
-        tl.store(scale_ptr + e * n_scale_r * n_scale_c + out_rows[:, None] * n_scale_c + out_cols[None, :],
+        tl.store(data_ptr + e * stride_de + rows.to(tl.int64)[:, None] * stride_dr + cols[None, :], byte, mask=mask)
+        tl.store(scale_ptr + e * stride_se + out_rows[:, None] * stride_sr + out_cols[None, :],
                  stored_scale, mask=scale_mask)
 
     if DEQUANTIZED:
@@ -152,20 +153,23 @@ def _tile(block: tuple[int, int]) -> tuple[int, int, int]:
 
 
 def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpose: bool,
-             row_scale: torch.Tensor | None, dequantized: bool):
+             row_scale: torch.Tensor | None, dequantized: bool, out=None):
     """The kernel on t [E, R, C] (any strides): (data float8_e4m3fn, scale uint8 or fp32, dequantized or None),
-    data/scale [E, C, R] / [E, nC, nR] when transpose, else [E, R, C] / [E, nR, nC]. Arguments are checked
-    by `serval.ops.quantize`."""
+    data/scale [E, C, R] / [E, nC, nR] when transpose, else [E, R, C] / [E, nR, nC]; written into `out`'s
+    (data, scale) views when given (last dims contiguous). Arguments are checked by `serval.ops.quantize`."""
     num_e, R, C = t.shape
     br, bc = block
     n_r, n_c = triton.cdiv(R, br), triton.cdiv(C, bc)
     device = t.device
-    data = common.empty((num_e, C, R) if transpose else (num_e, R, C), torch.float8_e4m3fn, device)
-    scale_shape = (num_e, n_c, n_r) if transpose else (num_e, n_r, n_c)
-    if fp32_scale:
-        scale = common.empty(scale_shape, torch.float32, device)
+    if out is not None:
+        data, scale = out
     else:
-        scale = common.empty(scale_shape, torch.int8, device).view(torch.uint8)  # int8: poison -1 = 0xFF
+        data = common.empty((num_e, C, R) if transpose else (num_e, R, C), torch.float8_e4m3fn, device)
+        scale_shape = (num_e, n_c, n_r) if transpose else (num_e, n_r, n_c)
+        if fp32_scale:
+            scale = common.empty(scale_shape, torch.float32, device)
+        else:
+            scale = common.empty(scale_shape, torch.int8, device).view(torch.uint8)  # int8: poison -1 = 0xFF
     deq = common.empty((num_e, R, C), torch.float32 if fp32_scale else torch.bfloat16, device) if dequantized else None
     tile_r, tile_c, num_warps = _tile(block)
     n_tiles_c = triton.cdiv(C, tile_c)
@@ -173,8 +177,8 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
     if grid[0] and num_e:
         _quantize_kernel[grid](
             t, t.stride(0), t.stride(1), t.stride(2), row_scale.contiguous() if row_scale is not None else t,
-            data.view(torch.uint8), scale, deq if deq is not None else data, R, C,
-            n_r, n_c, n_tiles_c,
+            data.view(torch.uint8), data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
+            deq if deq is not None else data, R, C, n_r, n_c, n_tiles_c,
             BLOCK_R=br, BLOCK_C=bc, TILE_R=tile_r, TILE_C=tile_c,
             FP32_SCALE=fp32_scale, TRANSPOSE=transpose, HAS_ROW_SCALE=row_scale is not None,
             ROUND_INPUT=t.dtype != torch.bfloat16 or row_scale is not None, DEQUANTIZED=dequantized,
