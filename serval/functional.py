@@ -464,9 +464,11 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
         if config.debug:
             precision.check_finite("d_y", d_y)
         schedule = ctx.schedule
+        d_y_rows, x_rows = (None, None) if transport is None else (transport.pull(d_y, schedule.row_source),
+                                                                   transport.pull(x, schedule.row_source))
         d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = precision.backward(
-            ops, recipe, _rows_in(ops, d_y, schedule, transport), _rows_in(ops, x, schedule, transport), ctx.kept,
-            row_router_weights, w_gate, w_up, w_down, schedule, ctx.swiglu_limit)
+            ops, recipe, d_y, d_y_rows, x, x_rows, ctx.kept, row_router_weights, w_gate, w_up, w_down, schedule,
+            ctx.swiglu_limit)
         d_x = ops.sum_slots(*_rows_out(d_x_rows, schedule, transport), shared_d_x)
         del d_x_rows
         d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)

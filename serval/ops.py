@@ -60,8 +60,8 @@ class QuantizedTensor(NamedTuple):
 
 def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", transpose: bool = False,
              row_scale: torch.Tensor | None = None, dequantized: bool = False, check_finite: bool = False,
-             backend: str = "auto", out: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> tuple[QuantizedTensor, torch.Tensor | None]:
+             backend: str = "auto", out: tuple[torch.Tensor, torch.Tensor] | None = None,
+             rows_of: tuple[torch.Tensor, int] | None = None) -> tuple[QuantizedTensor, torch.Tensor | None]:
     """Quantize t [R, C] or [E, R, C] (bf16, fp16 or fp32, any strides) to FP8 with one scale per block.
 
     Returns (QuantizedTensor, dequantized): dequantized (with `dequantized=True`, else None) holds the
@@ -73,11 +73,25 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
     the reference anywhere; "triton" the kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1).
     out: (data, scale) tensors of the result's shapes and dtypes (views allowed, last dim contiguous) to write
     into, e.g. two halves of one buffer, so that joining quantized tensors costs no copy.
+    rows_of: (row_source [R'] int, top_k), 2-D t only: quantize the R' rows t[row_source // top_k] (zeros where
+    row_source is -1; the schedule's routed rows of tokens t) without making them first; row_scale is then [R'].
     The rule, NaN handling and check_finite: the module docstring.
     """
-    block = _check(t, block, scale_format, transpose, row_scale, backend)
+    if rows_of is not None:
+        row_source, top_k = rows_of
+        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or not isinstance(row_source, torch.Tensor)
+                or row_source.dim() != 1 or row_source.dtype not in (torch.int32, torch.int64)
+                or row_source.device != t.device or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError("quantize: rows_of must be (row_source: a 1-D int tensor on t's device, top_k: an int "
+                             ">= 1) with a 2-D t")
+        if not (backend == "triton" or (backend == "auto" and t.is_cuda)):  # the reference: make the rows
+            token = row_source.long().clamp(min=0) // top_k
+            t = torch.where((row_source >= 0)[:, None], t[token], 0).to(t.dtype)
+            rows_of = None
+    rows = t.shape[-2] if rows_of is None else rows_of[0].shape[0]  # of the matrix quantized
+    block = _check(t, block, scale_format, transpose, row_scale, backend, rows)
     if out is not None:
-        _check_out(t, block, scale_format, transpose, out)
+        _check_out(t, block, scale_format, transpose, out, rows)
     if check_finite:
         if not torch.isfinite(t).all():
             raise ValueError("quantize: t holds NaN or Inf (check_finite=True)")
@@ -91,7 +105,7 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
         from .kernels.quantize import quantize as quantize_kernel
 
         data, scale, deq = quantize_kernel(t3, block, scale_format == "fp32", transpose, row_scale, dequantized,
-                                           out3)
+                                           out3, rows_of)
     else:
         data, scale, deq = _quantize_torch(t3, block, scale_format, transpose, row_scale, dequantized)
         if out3 is not None:
@@ -125,7 +139,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     return values.reshape(*batch, n_r * br, n_c * bc)[..., :rows, :cols].to(dtype)
 
 
-def _check(t, block, scale_format, transpose, row_scale, backend) -> tuple[int, int]:
+def _check(t, block, scale_format, transpose, row_scale, backend, rows) -> tuple[int, int]:
     if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or t.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"quantize: t must be a 2-D [R, C] or 3-D [E, R, C] bf16/fp16/fp32 tensor, got "
                          f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
@@ -152,16 +166,16 @@ def _check(t, block, scale_format, transpose, row_scale, backend) -> tuple[int, 
         if t.dim() != 2:
             raise ValueError(f"quantize: row_scale needs a 2-D t [R, C], got t of shape {tuple(t.shape)}")
         if (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
-                or row_scale.shape != (t.shape[0],) or row_scale.device != t.device):
-            raise ValueError(f"quantize: row_scale must be an fp32 tensor of shape [R] = ({t.shape[0]},) on "
+                or row_scale.shape != (rows,) or row_scale.device != t.device):
+            raise ValueError(f"quantize: row_scale must be an fp32 tensor of shape [R] = ({rows},) on "
                              f"{t.device}, got " + (f"{row_scale.dtype} {tuple(row_scale.shape)} on {row_scale.device}"
                                                     if isinstance(row_scale, torch.Tensor) else repr(row_scale)))
     return block
 
 
-def _check_out(t, block, scale_format, transpose, out) -> None:
+def _check_out(t, block, scale_format, transpose, out, rows) -> None:
     """ValueError unless `out` is (data, scale) of the shapes and dtypes quantize makes, last dims contiguous."""
-    *batch, rows, cols = t.shape
+    *batch, _, cols = t.shape
     n_r, n_c = -(-rows // block[0]), -(-cols // block[1])
     shapes = ((*batch, cols, rows), (*batch, n_c, n_r)) if transpose else ((*batch, rows, cols), (*batch, n_r, n_c))
     dtypes = (torch.float8_e4m3fn, torch.uint8 if scale_format == "e8m0" else torch.float32)

@@ -198,20 +198,31 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     return out, kept
 
 
-def backward(ops, recipe: Recipe, d_y_rows, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
+def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
              schedule: Schedule, swiglu_limit):
-    """Gradients of the routed experts from their rows of d_y and x [R, H] (bf16) and the group's router
-    weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up, d_w_down)."""
-    dtype = x_rows.dtype
-    d_y_q, d_y_deq = recipe.rows(d_y_rows)
-    if recipe.fp8_gemm:
+    """Gradients of the routed experts from d_y and x [N, H] (bf16), their rows [R, H] pulled at EP (None at
+    EP=1: the quantization passes read the tokens' rows through the schedule, no bf16 rows are made) and the
+    group's router weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up,
+    d_w_down)."""
+    dtype = x.dtype
+    at_ep1 = d_y_rows is None
+
+    def rows_quantized(tokens, rows, quantize_along):  # the schedule's rows of `tokens`, quantized
+        if at_ep1:
+            return quantize_along(tokens, rows_of=(schedule.row_source, schedule.top_k))
+        return quantize_along(rows)
+
+    if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
+        d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, recipe.weight(w_down, 1), schedule)
         d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule,
                                                        stages.row_weights(router_weights, schedule), swiglu_limit)
     else:
+        d_y_deq = rows_quantized(d_y, d_y_rows, recipe.rows)[1]
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, recipe.weight(w_down, 1),
                                                         dequantize(kept.gate_up, dtype), router_weights,
                                                         schedule, swiglu_limit)
+        del d_y_deq
     d_gate_up_q, d_gate_up_deq = recipe.rows(d_gate_up)
     if recipe.fp8_gemm:
         d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, _gate_up_weights(recipe, w_gate, w_up, 1), schedule)
@@ -220,9 +231,10 @@ def backward(ops, recipe: Recipe, d_y_rows, x_rows, kept: Kept, router_weights, 
     del d_gate_up_q, d_gate_up_deq
     # weight gradients: operands along tokens
     row_rw = stages.row_weights(router_weights, schedule).float()
-    d_y_tokens, d_y_tokens_deq = recipe.tokens(d_y_rows, row_scale=row_rw)
+    d_y_tokens, d_y_tokens_deq = rows_quantized(d_y, d_y_rows,
+                                                lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
     d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
-    x_tokens, x_tokens_deq = recipe.tokens(x_rows)
+    x_tokens, x_tokens_deq = rows_quantized(x, x_rows, recipe.tokens)
     if recipe.fp8_gemm:
         d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule)
         d_w_gate, d_w_up = (g.contiguous() for g in

@@ -444,3 +444,20 @@ def test_out_writes_into_halves_of_one_buffer(backend, transpose):
     assert torch.equal(bits(scale), bits(torch.cat([qa.scale, qb.scale], dim)))
     with pytest.raises(ValueError, match="out must be"):
         ops.quantize(a, **kwargs, out=(data, scale))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block,transpose", [((1, 128), False), ((128, 1), True), ((32, 1), False)])
+def test_rows_of_quantizes_the_gathered_rows(backend, block, transpose):
+    """rows_of=(row_source, k): the bits of quantizing t's gathered rows (zeros where -1), without making them."""
+    device = "cuda" if backend == "triton" and CUDA else "cpu"
+    t = varied(80, 300, seed=21).to(device)
+    gen = torch.Generator().manual_seed(3)
+    row_source = torch.randint(-1, 80 * 2, (256,), generator=gen, dtype=torch.int32).to(device)
+    rows = torch.where((row_source >= 0)[:, None], t[row_source.long().clamp(min=0) // 2], 0)
+    rw = torch.rand(256, generator=gen).to(device)
+    for kwargs in (dict(), dict(row_scale=rw, dequantized=True)):
+        kwargs.update(block=block, scale_format="fp32", transpose=transpose, backend=backend)
+        assert_same(ops.quantize(t, rows_of=(row_source, 2), **kwargs), ops.quantize(rows, **kwargs))
+    with pytest.raises(ValueError, match="rows_of"):
+        ops.quantize(t, block=block, rows_of=(row_source.float(), 2))

@@ -60,12 +60,12 @@ def _round_e4m3(q):
 
 
 @triton.jit
-def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr,
+def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_source_ptr, top_k,
                      data_ptr, stride_de, stride_dr, scale_ptr, stride_se, stride_sr, deq_ptr, R, C, n_scale_r,
                      n_scale_c, n_tiles_c,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
                      FP32_SCALE: tl.constexpr, TRANSPOSE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-                     ROUND_INPUT: tl.constexpr, DEQUANTIZED: tl.constexpr):
+                     ROUND_INPUT: tl.constexpr, DEQUANTIZED: tl.constexpr, GATHER: tl.constexpr):
     # scales per tile along rows / columns: 1 along a blocked dim (tile == block), the tile extent along the other
     SR: tl.constexpr = TILE_R // BLOCK_R
     SC: tl.constexpr = TILE_C // BLOCK_C
@@ -76,8 +76,14 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr,
     rows = tile_r * TILE_R + tl.arange(0, TILE_R)
     cols = tile_c * TILE_C + tl.arange(0, TILE_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :] * stride_tc,
-                mask=mask, other=0.0)
+    if GATHER:  # row r is t[row_source[r] // top_k], zeros where row_source[r] < 0
+        source = tl.load(row_source_ptr + rows, mask=rows < R, other=-1)
+        token = tl.where(source >= 0, source // top_k, 0)
+        x = tl.load(t_ptr + e * stride_te + token.to(tl.int64)[:, None] * stride_tr + cols[None, :] * stride_tc,
+                    mask=mask & (source >= 0)[:, None], other=0.0)
+    else:
+        x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :] * stride_tc,
+                    mask=mask, other=0.0)
     if x.dtype == tl.bfloat16:
         x = _bf16_to_f32(x)
     else:
@@ -153,11 +159,15 @@ def _tile(block: tuple[int, int]) -> tuple[int, int, int]:
 
 
 def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpose: bool,
-             row_scale: torch.Tensor | None, dequantized: bool, out=None):
+             row_scale: torch.Tensor | None, dequantized: bool, out=None, rows_of=None):
     """The kernel on t [E, R, C] (any strides): (data float8_e4m3fn, scale uint8 or fp32, dequantized or None),
     data/scale [E, C, R] / [E, nC, nR] when transpose, else [E, R, C] / [E, nR, nC]; written into `out`'s
-    (data, scale) views when given (last dims contiguous). Arguments are checked by `serval.ops.quantize`."""
+    (data, scale) views when given (last dims contiguous). rows_of = (row_source [R'], top_k): the rows
+    t[row_source // top_k] (zeros where -1) in place of t's, R' of them. Arguments are checked by
+    `serval.ops.quantize`."""
     num_e, R, C = t.shape
+    if rows_of is not None:
+        R = rows_of[0].shape[0]
     br, bc = block
     n_r, n_c = triton.cdiv(R, br), triton.cdiv(C, bc)
     device = t.device
@@ -177,11 +187,13 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
     if grid[0] and num_e:
         _quantize_kernel[grid](
             t, t.stride(0), t.stride(1), t.stride(2), row_scale.contiguous() if row_scale is not None else t,
+            rows_of[0] if rows_of is not None else t, rows_of[1] if rows_of is not None else 1,
             data.view(torch.uint8), data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
             deq if deq is not None else data, R, C, n_r, n_c, n_tiles_c,
             BLOCK_R=br, BLOCK_C=bc, TILE_R=tile_r, TILE_C=tile_c,
             FP32_SCALE=fp32_scale, TRANSPOSE=transpose, HAS_ROW_SCALE=row_scale is not None,
             ROUND_INPUT=t.dtype != torch.bfloat16 or row_scale is not None, DEQUANTIZED=dequantized,
+            GATHER=rows_of is not None,
             num_warps=num_warps,
         )
     return data, scale, deq
