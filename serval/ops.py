@@ -88,7 +88,8 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
             token = row_source.long().clamp(min=0) // top_k
             t = torch.where((row_source >= 0)[:, None], t[token], 0).to(t.dtype)
             rows_of = None
-    rows = t.shape[-2] if rows_of is None else rows_of[0].shape[0]  # of the matrix quantized
+    rows = rows_of[0].shape[0] if rows_of is not None else (  # of the matrix quantized (t is checked next)
+        t.shape[-2] if isinstance(t, torch.Tensor) and t.dim() >= 2 else 0)
     block = _check(t, block, scale_format, transpose, row_scale, backend, rows)
     if out is not None:
         _check_out(t, block, scale_format, transpose, out, rows)
