@@ -5,6 +5,8 @@ Implementations (same inputs, same function, gradients by autograd):
   serval            serval.moe with serval.Config(): on the GPU its kernels, each GEMM stage as the
                     serval.plan.KernelPlan that serval.plan.choose_plan picks for the shape and the GPU says;
                     on the CPU its torch-op stages
+  serval PRECISION  serval.moe with Config(precision=PRECISION), for each FP8 precision in --precisions (recorded as
+                    impl "serval" with that "precision"; timed when within 0.1 of the bf16 reference)
   serval (NAME)     serval.moe with the Config of --variant "NAME: ..." (below); on the CPU, "backend=triton"
                     runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set when there is no GPU)
   torch_grouped_mm  plain PyTorch: sort, gather, torch._grouped_mm, SiLU*up, _grouped_mm, fixed-order combine
@@ -47,7 +49,7 @@ FLOPs as docs/CONTRACT.md counts them: forward = 6 * (N + N*k) * H * I for scope
 rows, Is = I), 6 * N*k * H * I for "routed"; backward = 2 x forward, so "fwdbwd" counts 3 x forward.
 TFLOP/s = FLOPs / ms.
 
-Each record appended to --out: {shape, impl, settings, scope, pass, ms, tflops, saved_mem_gib, peak_mem_gib,
+Each record appended to --out: {shape, impl, precision, settings, scope, pass, ms, tflops, saved_mem_gib, peak_mem_gib,
 rel_err, rel_errs, error, soak_s, sm_clock_mhz, power_w, date, gpu, torch, triton}. settings: a variant's
 settings (None otherwise); rel_err: the largest of rel_errs. saved_mem_gib: memory the autograd graph holds after
 one forward, minus y; peak_mem_gib: peak of one timed call above the memory allocated before it (CUDA only).

@@ -206,6 +206,7 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     d_w_down)."""
     dtype = x.dtype
     at_ep1 = d_y_rows is None
+    row_rw = stages.row_weights(router_weights, schedule).float()  # [R], 0 on padding rows
 
     def rows_quantized(tokens, rows, quantize_along):  # the schedule's rows of `tokens`, quantized
         if at_ep1:
@@ -215,8 +216,7 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
         d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, recipe.weight(w_down, 1), schedule)
-        d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule,
-                                                       stages.row_weights(router_weights, schedule), swiglu_limit)
+        d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw, swiglu_limit)
     else:
         d_y_deq = rows_quantized(d_y, d_y_rows, recipe.rows)[1]
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, recipe.weight(w_down, 1),
@@ -230,7 +230,6 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, recipe.weight(w_gate, 1), recipe.weight(w_up, 1), schedule)
     del d_gate_up_q, d_gate_up_deq
     # weight gradients: operands along tokens
-    row_rw = stages.row_weights(router_weights, schedule).float()
     d_y_tokens, d_y_tokens_deq = rows_quantized(d_y, d_y_rows,
                                                 lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
     d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)

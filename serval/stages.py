@@ -136,6 +136,12 @@ def combine(expert_out, router_weights, schedule: Schedule, shared_out=None):
 
 # ---------------------------------------------------------------- backward
 
+def unpacked(packed: torch.Tensor, schedule: Schedule) -> torch.Tensor:
+    """Packed rows [num_packed, C] (`serval.schedule.packed_index`) back to rows [R, C], zeros on padding rows."""
+    index = packed_index(schedule).to(torch.int64)[:, None]
+    return torch.where(index >= 0, packed[index.clamp(min=0).squeeze(1)], 0)
+
+
 def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None):
     """d_h = rw * (d_y_row @ w_down), then the SwiGLU backward and the router-weight gradient.
 
@@ -145,8 +151,7 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     Returns (d_gate_up [R, 2I], h_weighted = rw * h [R, I] for the w_down gradient, d_rw_rows [R] fp32).
     """
     acc = accumulator_dtype(gate_up.dtype)
-    index = packed_index(schedule).to(torch.int64)[:, None]
-    gate_up = torch.where(index >= 0, gate_up[index.clamp(min=0).squeeze(1)], 0)  # back to rows [R, 2I]
+    gate_up = unpacked(gate_up, schedule)
     d_h_raw = grouped_mm(d_y_rows, w_down.transpose(1, 2), schedule).to(acc)
     return swiglu_backward(d_h_raw, gate_up, row_weights(router_weights, schedule), swiglu_limit, gate_up.dtype)
 
@@ -216,9 +221,7 @@ def swiglu_backward_fp8(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, r
     """The SwiGLU backward of the block-scaled FP8 path: d_h_raw [R, I] (the down dgrad, bf16) and the kept
     pre-activations (quantized, packed rows), dequantized to bf16. Returns (d_gate_up bf16 [R, 2I],
     d_rw_rows fp32 [R])."""
-    index = packed_index(schedule).to(torch.int64)[:, None]
-    pre = dequantize(gate_up, torch.bfloat16)
-    gate_up_rows = torch.where(index >= 0, pre[index.clamp(min=0).squeeze(1)], 0)
+    gate_up_rows = unpacked(dequantize(gate_up, torch.bfloat16), schedule)
     d_gate_up, _, d_rw_rows = swiglu_backward(d_h_raw, gate_up_rows, row_router_weights, swiglu_limit,
                                               torch.bfloat16)
     return d_gate_up, d_rw_rows
