@@ -122,11 +122,26 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
     return QuantizedTensor(data, scale, block, bool(transpose)), deq
 
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, *, backend: str = "auto") -> torch.Tensor:
     """data * scale in the stored orientation (data's shape), each scale expanded over its block: the IEEE fp32
     product data.float() * scale (exact for e8m0), then cast to dtype (bf16: exact for e8m0 barring bf16
-    subnormals, one round-to-nearest-even there)."""
+    subnormals, one round-to-nearest-even there). backend as `quantize`'s: "auto" runs the Triton kernel on
+    CUDA tensors (bf16 or fp32 out, contiguous data and scale), the torch reference otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"dequantize: backend must be one of {BACKENDS}, got {backend!r}")
     br, bc = q.block[::-1] if q.transposed else q.block
+    kernel_takes = (dtype in (torch.bfloat16, torch.float32) and q.data.dim() in (2, 3)
+                    and q.data.is_contiguous() and q.scale.is_contiguous())
+    if backend == "triton" or (backend == "auto" and q.data.is_cuda and kernel_takes):
+        if not kernel_takes:
+            raise ValueError("dequantize: backend='triton' takes 2-D or 3-D contiguous data and scale, bf16 or "
+                             f"fp32 out; got data {tuple(q.data.shape)}, out {dtype}")
+        from .kernels.quantize import dequantize as dequantize_kernel
+
+        squeeze = q.data.dim() == 2
+        data, scale = (q.data.unsqueeze(0), q.scale.unsqueeze(0)) if squeeze else (q.data, q.scale)
+        out = dequantize_kernel(data, scale, (br, bc), dtype)
+        return out[0] if squeeze else out
     *batch, rows, cols = q.data.shape
     n_r, n_c = q.scale.shape[-2:]
     if q.scale.dtype == torch.uint8:

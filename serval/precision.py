@@ -166,6 +166,11 @@ def _gathered(ops, q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
                       scale=ops.gather(q.scale, schedule))
 
 
+def _row_slice(q: QuantizedTensor, start: int, length: int) -> QuantizedTensor:
+    """Rows [start, start + length) of a tensor stored along tokens ([C, R], one scale row per data row)."""
+    return q._replace(data=q.data.narrow(0, start, length), scale=q.scale.narrow(0, start, length))
+
+
 def _packed(q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
     """The packed rows (`serval.schedule.packed_rows`) of a row-quantized [R, C] tensor."""
     index = packed_rows(schedule)
@@ -236,8 +241,10 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     x_tokens, x_tokens_deq = rows_quantized(x, x_rows, recipe.tokens)
     if recipe.fp8_gemm:
         d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule)
-        d_w_gate, d_w_up = (g.contiguous() for g in
-                            ops.fp8_weight_grad(d_gate_up_tokens, x_tokens, schedule).chunk(2, dim=1))
+        # one GEMM per half of d_gate_up's rows: each writes its weight's gradient contiguous (no copy)
+        inter = w_gate.shape[1]
+        d_w_gate, d_w_up = (ops.fp8_weight_grad(_row_slice(d_gate_up_tokens, start, inter), x_tokens, schedule)
+                            for start in (0, inter))
     else:
         d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule)
         d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up_tokens_deq, x_tokens_deq, schedule,

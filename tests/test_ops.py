@@ -363,6 +363,23 @@ def test_dequantize_formats_and_3d():
         assert (err <= w.float().abs() * (2 ** -4 + 2 ** -20) + scale * 2 ** -10).all()
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+def test_dequantize_kernel_matches_reference(block):
+    """The dequantize kernel (GPU, or the interpreter) bit for bit against the torch reference: both scale
+    formats, bf16 and fp32 out, transposed copies, 2-D and 3-D, partial edge blocks, NaN blocks, E8M0 byte 0."""
+    t = varied(2, 150, 300, seed=9)
+    t[1, 7, 9] = float("nan")
+    t[0, :block[0], :block[1]] = 0  # a zero block: e8m0 byte 0 (the subnormal scale 2^-127)
+    for scale_format, transpose in itertools.product(FORMATS, [False, True]):
+        q, _ = quantize(t, block=block, scale_format=scale_format, transpose=transpose)
+        for qq in (q, q._replace(data=q.data[0], scale=q.scale[0])):
+            device = "cuda" if CUDA else "cpu"
+            on_device = qq._replace(data=qq.data.to(device), scale=qq.scale.to(device))
+            for dtype in (torch.bfloat16, torch.float32):
+                got = dequantize(on_device, dtype, backend="triton").cpu()
+                assert same_bits(got, dequantize(qq, dtype, backend="torch")), (scale_format, transpose, dtype)
+
+
 def test_empty_and_default_outputs():
     q, deq = quantize(torch.zeros(0, 64))
     assert q.data.shape == (0, 64) and q.scale.shape == (0, 2) and deq is None

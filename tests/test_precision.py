@@ -147,7 +147,7 @@ def test_no_host_sync_and_cuda_graph(precision):
 def test_fp8_blockwise_on_a_hidden_size_its_kernels_do_not_take():
     """H % 16 != 0: the FP8 GEMMs cannot take it (16-byte E4M3 rows), so "auto" runs the torch stages and
     "triton" says why."""
-    x, rw, ids, weights, d_y = _inputs(24, 200, 128, 4, 2, "random", device="cpu")
+    x, rw, ids, weights, d_y = _inputs(24, 200, 128, 4, 2, "random", device=DEVICE)
     got = _layer(x, rw, ids, weights, d_y, serval.Config(precision="fp8_blockwise"))
     want = serval.reference.moe_fp8(x, rw, ids, *weights, d_y, precision="fp8_blockwise")
     for name, a, b in zip(NAMES, got, want):

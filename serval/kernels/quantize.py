@@ -1,4 +1,5 @@
-"""FP8 block quantization (`serval.ops.quantize` on CUDA tensors): one memory-bound Triton kernel.
+"""FP8 block quantization and its inverse (`serval.ops.quantize` / `dequantize` on CUDA tensors): two
+memory-bound Triton kernels.
 
 Each program takes one 2-D tile of one source matrix (the batch index E is grid axis 1) whose extent along a
 blocked dimension equals the block size, so every block lies whole in one tile and its amax is one reduction
@@ -197,3 +198,45 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
             num_warps=num_warps,
         )
     return data, scale, deq
+
+
+@triton.jit
+def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, C, n_scale_r, n_scale_c, n_tiles_c,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+                       FP32_SCALE: tl.constexpr, OUT_BF16: tl.constexpr):
+    """out = data * scale over one [TILE_R, TILE_C] tile of one batch entry (grid axis 1), in the stored
+    orientation; the fp32 product, then (bf16 out) one round-to-nearest-even by bits."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    rows = (pid // n_tiles_c) * TILE_R + tl.arange(0, TILE_R)
+    cols = (pid % n_tiles_c) * TILE_C + tl.arange(0, TILE_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    value = tl.load(data_ptr + e * R * C + offsets, mask=mask, other=0.0).to(tl.float32)
+    scale_offsets = (rows // BLOCK_R)[:, None] * n_scale_c + (cols // BLOCK_C)[None, :]
+    scale = tl.load(scale_ptr + e * n_scale_r * n_scale_c + scale_offsets, mask=mask, other=0)
+    if not FP32_SCALE:  # 2^(byte - 127): byte 0 the subnormal 2^-127, 0xFF NaN
+        byte = scale.to(tl.int32)
+        bits = tl.where(byte == 0, 0x400000, byte << 23)
+        scale = tl.where(byte == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+    out = value * scale
+    if OUT_BF16:
+        out = _f32_to_bf16(_round_bf16(out))
+    tl.store(out_ptr + e * R * C + offsets, out, mask=mask)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The kernel on data [E, R, C] float8_e4m3fn and scale [E, ceil(R / block[0]), ceil(C / block[1])] (uint8
+    E8M0 or fp32), both contiguous, block in the stored orientation: out [E, R, C] of dtype (bf16 or fp32).
+    Arguments are checked by `serval.ops.dequantize`."""
+    num_e, R, C = data.shape
+    out = common.empty((num_e, R, C), dtype, data.device)
+    tile_r, tile_c = 32, 256
+    n_tiles_c = triton.cdiv(C, tile_c)
+    grid = (triton.cdiv(R, tile_r) * n_tiles_c, num_e)
+    if grid[0] and num_e:
+        _dequantize_kernel[grid](data, scale, out, R, C,
+                                 scale.shape[1], scale.shape[2], n_tiles_c, BLOCK_R=block[0], BLOCK_C=block[1],
+                                 TILE_R=tile_r, TILE_C=tile_c, FP32_SCALE=scale.dtype == torch.float32,
+                                 OUT_BF16=dtype == torch.bfloat16, num_warps=8)
+    return out
