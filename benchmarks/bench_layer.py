@@ -12,6 +12,11 @@ Implementations (same inputs, same function, gradients by autograd):
   torch_grouped_mm  plain PyTorch: sort, gather, torch._grouped_mm, SiLU*up, _grouped_mm, fixed-order combine
   hf_loop           the per-expert Python loop most model code uses (index_add_, syncs)
   sonicmoe          SonicMoE 0.1.2.post1 (Dao AI Lab), moe_general_routing_inputs with our ids and weights
+  torch_fp8_rowwise torchao's fp8 rowwise MoE training recipe (our code), FP8 MoE training as torch users have it:
+                    torch_grouped_mm with fwd + dgrad in torch._scaled_grouped_mm (row-scaled e4m3), wgrad in bf16
+  cublas_blockwise  serval's fp8_blockwise numerics (DeepSeek-V3: 1x128 activations, 128x128 weights) from cuBLAS:
+                    torch_grouped_mm with F.scaled_mm per expert for all three GEMMs (a loop, a host sync per layer)
+  (the FP8 baselines: CUDA only; recorded with precision fp8_rowwise / fp8_blockwise, timed when within 0.1)
 
 Examples:
   python benchmarks/bench_layer.py --tiny --impls serval,torch_grouped_mm,hf_loop   # CPU smoke test, seconds
@@ -19,6 +24,8 @@ Examples:
   python benchmarks/bench_layer.py --shapes kimi-k2 --impls serval --variant "triton dgrad: down_dgrad_engine=triton"
   source benchmarks/install_sonicmoe.sh && python benchmarks/bench_layer.py --shapes kimi-k2,qwen3-30b-a3b \
       --impls serval,sonicmoe,torch_grouped_mm                                    # all side by side
+  python benchmarks/bench_layer.py --impls serval,torch_grouped_mm,torch_fp8_rowwise,cublas_blockwise \
+      --precisions bf16,mxfp8,fp8_blockwise                                       # the FP8 layers side by side
 SonicMoE's first call on each shape compiles and autotunes its GEMMs (minutes per shape, so a 10-minute
 device call takes two or three shapes with it); --sonic-configs caps its autotuning (default 3 configs per GEMM).
 
@@ -34,7 +41,7 @@ distinct experts), seeded. Scope "routed": the routed experts; "layer": plus the
 
 Correctness first: each implementation's y (pass fwd) or y, d_x, d_router_weights and d_w_gate (fwdbwd) are
 compared with torch_grouped_mm's (relative error ||a-b||/||b||; this first call also compiles and autotunes);
-above --tol it is not timed (ms None, error "mismatch").
+above --tol (FP8: max(--tol, 0.1)) it is not timed (ms None, error "mismatch").
 
 Timing protocol (CUDA), per (implementation, pass): --warmup calls, then about --soak seconds (default 2) of
 back-to-back calls, then --iters timed calls (CUDA events around each, no sync in between); ms is their median.
@@ -68,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +86,10 @@ if not torch.cuda.is_available():  # Config(backend="triton") runs in the CPU in
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's serval
 from shapes import SHAPES, TINY_SHAPES  # noqa: E402
 
-IMPLS = ["serval", "torch_grouped_mm", "hf_loop", "sonicmoe"]
+IMPLS = ["serval", "torch_grouped_mm", "hf_loop", "sonicmoe", "torch_fp8_rowwise", "cublas_blockwise"]
+FP8_BASELINES = {"torch_fp8_rowwise": "fp8_rowwise", "cublas_blockwise": "fp8_blockwise"}  # impl: its precision
 PRECISIONS = ["bf16", "mxfp8", "fp8_blockwise"]
+E4M3_MAX = 448.0
 FP8_TOL = 0.1  # an FP8 layer is timed when within this of the bf16 reference (MoK's acceptance: sum|diff|/sum|ref|)
 SCOPES = ["routed", "layer"]
 PASSES = ["fwd", "fwdbwd"]
@@ -149,16 +159,27 @@ def flops(shape, scope, pass_):
 # implementations: impl(p, topk_ids) -> y [N, H] bf16, p from make_params (or prepare_<impl>)
 
 
-def torch_grouped_mm(p, topk_ids):
+def routed_moe(p, topk_ids, recipe=None):
+    """torch_grouped_mm's layer: sort the (token, slot) rows by expert, gather, gate/up GEMMs, SiLU*up, down GEMM,
+    fixed-order combine. Each routed GEMM a @ w[e]^T (over expert e's rows) runs as torch._grouped_mm in bf16, or
+    with an Fp8Recipe through Fp8GroupedLinear."""
     x, rw = p["x"], p["router_weights"]
     (N, k), E = topk_ids.shape, p["w_gate"].shape[0]
     sorted_ids, order = torch.sort(topk_ids.flatten(), stable=True)  # rows grouped by expert, token order inside
     experts = torch.arange(1, E + 1, device=x.device)
     offs = torch.searchsorted(sorted_ids, experts).to(torch.int32)  # row end of each expert (no sync, unlike bincount)
+    if recipe is None:
+        def gemm(a, w):
+            return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    else:
+        counts = offs.diff(prepend=offs.new_zeros(1)).tolist() if recipe.host_counts else None  # syncs
+
+        def gemm(a, w):
+            return Fp8GroupedLinear.apply(a, w, offs, counts, recipe)
     xs = x[order // k]
-    gate = torch._grouped_mm(xs, p["w_gate"].transpose(-2, -1), offs=offs)
-    up = torch._grouped_mm(xs, p["w_up"].transpose(-2, -1), offs=offs)
-    out = torch._grouped_mm(F.silu(gate) * up, p["w_down"].transpose(-2, -1), offs=offs)
+    gate = gemm(xs, p["w_gate"])
+    up = gemm(xs, p["w_up"])
+    out = gemm(F.silu(gate) * up, p["w_down"])
     # fixed-order combine: un-permute to [N, k, H], weight, sum over the k slots in fp32
     inv = torch.empty_like(order)
     inv[order] = torch.arange(N * k, device=order.device)
@@ -166,6 +187,142 @@ def torch_grouped_mm(p, topk_ids):
     if shared_of(p):
         y = y + shared_mlp(x, shared_of(p)).float()
     return y.to(x.dtype)
+
+
+def torch_grouped_mm(p, topk_ids):
+    return routed_moe(p, topk_ids)
+
+
+def torch_fp8_rowwise(p, topk_ids):
+    """torch_grouped_mm with each routed GEMM an Fp8GroupedLinear of FP8_ROWWISE, what torchao's fp8 rowwise MoE
+    training does (our own code): forward y = a @ w^T and dgrad d_a = d_y @ w in FP8, torch._scaled_grouped_mm
+    (one fp32 scale per row of a / d_y and per output row of w / w^T, i.e. per row / per column of w); wgrad
+    d_w = d_y^T a in bf16, torch._grouped_mm 2d x 2d (a kept in bf16). No host sync. Shared expert: bf16."""
+    return routed_moe(p, topk_ids, FP8_ROWWISE)
+
+
+def cublas_blockwise(p, topk_ids):
+    """torch_grouped_mm with each routed GEMM an Fp8GroupedLinear of FP8_BLOCKWISE, the DeepSeek-V3 recipe through
+    cuBLAS: one F.scaled_mm per expert for the forward, the dgrad (1x128 blocks of a / d_y, 128x128 of w / w^T)
+    and the wgrad (1x128 blocks of d_y^T and a^T, along the expert's rows), all FP8, fp32 scales. The loop over
+    experts needs their row counts on the host: one .tolist() sync per layer call, as a user's loop has. K and N
+    multiples of 128, else ValueError (recorded as the impl's error). Shared expert: bf16."""
+    return routed_moe(p, topk_ids, FP8_BLOCKWISE)
+
+
+# FP8 baselines: plain torch, no serval. Scales fp32 = amax / 448 of the row or block, e4m3fn saturated at +-448.
+
+
+class Fp8Recipe(NamedTuple):
+    mm: Callable  # (a [R, K], w [E, N, K] any strides, offs, counts) -> a @ w[e]^T over each expert's rows, bf16
+    wgrad: Callable  # (d_y [R, N], a [R, K], offs, counts) -> d_w [E, N, K], bf16
+    host_counts: bool  # mm / wgrad need the experts' row counts on the host (`counts`: a .tolist() sync per layer)
+
+
+class Fp8GroupedLinear(torch.autograd.Function):
+    """y = a @ w[e]^T over expert e's rows of a (rows grouped by expert, offs: their ends), in FP8 by a recipe:
+    forward recipe.mm(a, w); backward d_a = recipe.mm(d_y, w^T) (w^T's rows quantized: w's columns) and
+    d_w = recipe.wgrad(d_y, a). Keeps a and w as given (bf16); each GEMM quantizes its own operands."""
+
+    @staticmethod
+    def forward(ctx, a, w, offs, counts, recipe):
+        ctx.save_for_backward(a, w, offs)
+        ctx.counts, ctx.recipe = counts, recipe
+        return recipe.mm(a, w, offs, counts)
+
+    @staticmethod
+    def backward(ctx, d_y):
+        a, w, offs = ctx.saved_tensors
+        d_y = d_y.contiguous()
+        d_a = ctx.recipe.mm(d_y, w.transpose(-2, -1), offs, ctx.counts) if ctx.needs_input_grad[0] else None
+        d_w = ctx.recipe.wgrad(d_y, a, offs, ctx.counts) if ctx.needs_input_grad[1] else None
+        return d_a, d_w, None, None, None
+
+
+def to_e4m3(t, amax):
+    """(t / s as float8_e4m3fn, saturated at +-448; s = amax / 448 in fp32), amax broadcast against t."""
+    s = amax.float().clamp_min(1e-12) / E4M3_MAX
+    return (t.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+def rowwise_mm(a, w, offs, counts):
+    """torch._scaled_grouped_mm: a scaled per row, w per output row (one fp32 scale per row of w[e])."""
+    qa, sa = to_e4m3(a, a.abs().amax(-1, keepdim=True))
+    qw, sw = to_e4m3(w, w.abs().amax(-1, keepdim=True))
+    return torch._scaled_grouped_mm(qa.contiguous(), qw.contiguous().transpose(-2, -1), sa.view(-1),
+                                    sw.squeeze(-1).contiguous(), offs=offs, out_dtype=torch.bfloat16)
+
+
+def grouped_wgrad_bf16(d_y, a, offs, counts):
+    """d_w[e] = d_y_e^T a_e in bf16: torch._grouped_mm 2d x 2d grouped along K (the rows), the call of its backward."""
+    return torch._grouped_mm(d_y.t(), a, offs=offs)
+
+
+def blocks_1x128(t):
+    """t [M, K] (any strides, K a multiple of 128) -> (e4m3 [M, K] contiguous, fp32 scale [M, K/128])."""
+    b = t.unflatten(-1, (-1, 128))
+    q, s = to_e4m3(b, b.abs().amax(-1, keepdim=True))
+    return q.flatten(-2).contiguous(), s.squeeze(-1)
+
+
+def blocks_128x128(w):
+    """w [E, N, K] (any strides, N and K multiples of 128) -> (e4m3 [E, N, K] contiguous, fp32 scale
+    [E, N/128, round_up(K/128, 4)]: scaled_mm's BlockWise128x128 wants the K blocks padded to a multiple of 4)."""
+    b = w.unflatten(2, (-1, 128)).unflatten(1, (-1, 128))  # [E, N/128, 128, K/128, 128]
+    q, s = to_e4m3(b, b.abs().amax((2, 4), keepdim=True))
+    s = s[:, :, 0, :, 0]
+    return q.reshape(w.shape).contiguous(), F.pad(s, (0, -s.shape[-1] % 4), value=1.0).contiguous()
+
+
+def pad_rows(t, multiple):
+    """t [M, ...] with zero rows appended up to a multiple of `multiple` (e4m3 through its bytes)."""
+    pad = -t.shape[0] % multiple
+    if not pad:
+        return t
+    if t.dtype == torch.float8_e4m3fn:
+        return F.pad(t.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+    return F.pad(t, (0, 0, 0, pad))
+
+
+def outer_major(scale):
+    """A [M, K/128] scale with strides (1, M), as scaled_mm's BlockWise1x128 wants."""
+    return scale.t().contiguous().t()
+
+
+def blockwise_mm(a, w, offs, counts):
+    """F.scaled_mm per expert (cuBLAS): a in 1x128 blocks, w in 128x128 blocks. An expert's rows are zero-padded to
+    a multiple of 4 (a copy, where not): its 1x128 scales' leading dimension 16-byte aligned, reportedly needed."""
+    if a.shape[1] % 128 or w.shape[1] % 128:
+        raise ValueError(f"cublas_blockwise: GEMM dims {w.shape[1]} x {a.shape[1]} are not multiples of 128")
+    qa, sa = blocks_1x128(a)
+    qw, sw = blocks_128x128(w)
+    outs, lo = [], 0
+    for e, m in enumerate(counts):
+        if m:
+            x, s = pad_rows(qa[lo:lo + m], 4), pad_rows(sa[lo:lo + m], 4)
+            outs.append(F.scaled_mm(x, qw[e].t(), outer_major(s), F.ScalingType.BlockWise1x128, sw[e].t(),
+                                    F.ScalingType.BlockWise128x128)[:m])
+        lo += m
+    return torch.cat(outs)
+
+
+def blockwise_wgrad(d_y, a, offs, counts):
+    """d_w[e] = d_y_e^T a_e per expert with F.scaled_mm, both operands in 1x128 blocks along the expert's rows
+    (the reduction; zero-padded to a multiple of 128): DeepSeek-V3's 128x1 tiles of the backward's activations."""
+    outs, lo = [], 0
+    for m in counts:
+        if not m:
+            outs.append(a.new_zeros(d_y.shape[1], a.shape[1]))
+            continue
+        (qg, sg), (qx, sx) = (blocks_1x128(pad_rows(t[lo:lo + m], 128).t()) for t in (d_y, a))
+        outs.append(F.scaled_mm(qg, qx.t(), outer_major(sg), F.ScalingType.BlockWise1x128, outer_major(sx),
+                                F.ScalingType.BlockWise1x128))
+        lo += m
+    return torch.stack(outs)
+
+
+FP8_ROWWISE = Fp8Recipe(rowwise_mm, grouped_wgrad_bf16, host_counts=False)
+FP8_BLOCKWISE = Fp8Recipe(blockwise_mm, blockwise_wgrad, host_counts=True)
 
 
 def hf_loop(p, topk_ids):
@@ -266,10 +423,14 @@ def load_impl(name, device, args):
 
             cap_quack_autotuning(args.sonic_configs)
             return sonicmoe, prepare_sonicmoe
+        if name in FP8_BASELINES and device.type != "cuda":
+            print(f"skip {name}: needs CUDA (torch's FP8 GEMMs; sm_90)")
+            return None
     except Exception as e:  # ImportError, or a broken install of its dependencies
         print(f"skip {name}: import failed: {type(e).__name__}: {e}")
         return None
-    return {"torch_grouped_mm": torch_grouped_mm, "hf_loop": hf_loop}[name], None
+    return {"torch_grouped_mm": torch_grouped_mm, "hf_loop": hf_loop, "torch_fp8_rowwise": torch_fp8_rowwise,
+            "cublas_blockwise": cublas_blockwise}[name], None
 
 
 # -----------------------------------------------------------------------------
@@ -555,9 +716,10 @@ def grid(records, ps, sc):
 
 
 def impl_label(record):
-    """The implementation as tables and charts name it: serval's FP8 precisions as "serval mxfp8"."""
+    """The implementation as tables and charts name it: serval's FP8 precisions as "serval mxfp8" (the FP8
+    baselines by their names)."""
     precision = record.get("precision", "bf16")
-    return record["impl"] if precision == "bf16" else f"{record['impl']} {precision}"
+    return record["impl"] if precision == "bf16" or record["impl"] in FP8_BASELINES else f"{record['impl']} {precision}"
 
 
 def print_table(records):
@@ -630,8 +792,9 @@ def pass_fn(impl, p, topk_ids, dy, ps):
 def bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, scope, passes, args, device, info,
                monitor):
     """Check one implementation against the reference (its first call also compiles and autotunes),
-    then time each pass. Returns its records (settings: a variant's, recorded; precision: of serval's routed
-    experts, "bf16" for every other implementation)."""
+    then time each pass. Returns its records (settings: a variant's, recorded; precision: of the routed experts,
+    serval's from --precisions, the FP8 baselines' (FP8_BASELINES), "bf16" for every other implementation;
+    within FP8_TOL of the bf16 reference where not bf16)."""
     shape = inp["shape"]
     topk_ids, dy = inp["topk_ids"], inp["dy"]
     p = make_params(inp, scope)
@@ -717,8 +880,8 @@ def main():
     precisions = args.precisions.split(",")
     if set(precisions) - set(PRECISIONS):
         parser.error(f"--precisions: unknown {sorted(set(precisions) - set(PRECISIONS))}; known: {', '.join(PRECISIONS)}")
-    impls = {} if args.report_only else {n: (*impl, None, "bf16") for n in args.impls.split(",")
-                                         if (impl := load_impl(n, device, args))}
+    impls = {} if args.report_only else {n: (*impl, None, FP8_BASELINES.get(n, "bf16"))  # precision: bf16, or FP8
+                                         for n in args.impls.split(",") if (impl := load_impl(n, device, args))}
     if not args.report_only:  # serval's other precisions, then the variants, right after serval's default
         names = list(impls)
         at = names.index("serval") + 1 if "serval" in names else len(names)

@@ -224,7 +224,9 @@ def _quantize_torch(t, block, scale_format, transpose, row_scale, dequantized):
         q = blocks * inv_scale[:, :, None, :, None]
         scale = torch.where(bad, 255, exp + 127).to(torch.uint8)
     else:
-        s = amax.clamp_min(1e-12) / E4M3_MAX
+        # divided by a tensor: torch on CUDA turns a division by a Python scalar into a product with its
+        # reciprocal, which is not the rule's IEEE division
+        s = amax.clamp_min(1e-12) / torch.full_like(amax, E4M3_MAX)
         scale = torch.where(bad, float("nan"), s)
         q = blocks / scale[:, :, None, :, None]
     q = q.reshape(num_e, n_r * br, n_c * bc)[:, :rows, :cols]

@@ -5,6 +5,7 @@ kernels, where a variant asks for them, in Triton's interpreter: TRITON_INTERPRE
 scripts set without a GPU). The GPU-only tools are skipped without a GPU (and ncu).
 """
 
+import argparse
 import json
 import os
 import re
@@ -129,6 +130,81 @@ def test_bench_layer_tiny_variant(tmp_path):
     variant = records["serval (kernels)"]
     assert variant["settings"] == ["backend='triton'", "block_m=16", "down_tiles.num_stages=2"]
     assert variant["error"] is None and variant["ms"] > 0 and variant["rel_err"] < 3e-2, variant
+
+
+def emulate_fp8_gemms(monkeypatch):
+    """torch._scaled_grouped_mm (row-scaled) and F.scaled_mm (DeepSeek block-scaled) on the CPU: dequantize, fp32
+    matmul, bf16; behind the operand and scale layouts torch's CUDA code checks (GroupedBlas.cpp, ScaledBlas.cpp),
+    and rows a multiple of 4 for cuBLAS's 1x128 scales."""
+    import torch.nn.functional as F
+
+    def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+        assert a.stride(1) == 1 and b.stride(1) == 1 and scale_a.shape == a.shape[:1] and scale_a.is_contiguous()
+        assert scale_b.shape == (b.shape[0], b.shape[2]) and scale_b.stride(1) == 1 and out_dtype == torch.bfloat16
+        a, b, ends = a.float() * scale_a[:, None], b.float() * scale_b[:, None], offs.tolist()
+        return torch.cat([a[lo:hi] @ b[e] for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends))]).bfloat16()
+
+    def scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b):
+        M, N, kb = a.shape[0], b.shape[1], -(-a.shape[1] // 128)
+        assert a.stride(1) == 1 and b.stride(0) == 1 and M % 4 == 0 and recipe_a == F.ScalingType.BlockWise1x128
+        assert scale_a.shape == (M, kb) and scale_a.stride(0) == 1 and (kb == 1 or scale_a.stride(1) == M)
+        if recipe_b == F.ScalingType.BlockWise1x128:  # [N, K/128], strides (1, N)
+            assert scale_b.shape == (N, kb) and scale_b.stride(0) == 1 and (kb == 1 or scale_b.stride(1) == N)
+            scale_b = scale_b.t().repeat_interleave(128, 0)
+        else:  # BlockWise128x128: [round_up(K/128, 4), N/128], strides (1, round_up(K/128, 4))
+            kb4 = -(-kb // 4) * 4
+            assert scale_b.shape == (kb4, N // 128) and scale_b.stride(0) == 1
+            assert N == 128 or scale_b.stride(1) == kb4
+            scale_b = scale_b[:kb].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return ((a.float() * scale_a.repeat_interleave(128, 1)) @ (b.float() * scale_b)).bfloat16()
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm, raising=False)
+    monkeypatch.setattr(F, "scaled_mm", scaled_mm, raising=False)
+
+
+def test_bench_layer_fp8_baselines_emulated(monkeypatch):
+    """torch_fp8_rowwise and cublas_blockwise on the CPU, their FP8 GEMMs emulated (above): each GEMM right where every
+    scaling group has a power-of-two magnitude of its own (a scale on the wrong rows or blocks is off by up to 2^10);
+    each layer checked and timed by bench_impl as serval's FP8 precisions are (within FP8_TOL, not --tol) and recorded
+    with its precision."""
+    emulate_fp8_gemms(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, group):  # a magnitude 2^-5 .. 2^5 per group (rows, cols) of the last two dims
+        f = 2.0 ** torch.randint(-5, 6, (*shape[:-2], shape[-2] // group[0], shape[-1] // group[1]), generator=g)
+        return torch.randn(*shape, generator=g) * f.repeat_interleave(group[0], -2).repeat_interleave(group[1], -1)
+
+    def close(got, want):  # FP8's error is a few %
+        assert (got.float() - want).norm() / want.norm() < 0.1
+
+    counts, K, N = [130, 0, 3, 256, 61], 384, 256  # an expert without rows, row counts not multiples of 4
+    R, E = sum(counts), len(counts)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = [slice(end - m, end) for m, end in zip(counts, offs.tolist())]
+    per_expert = lambda f: torch.cat([f(e, r) for e, r in enumerate(rows)])  # noqa: E731
+    a, d_y, w = rand(R, K, group=(1, K)), rand(R, N, group=(1, N)), rand(E, N, K, group=(1, K))
+    close(bench_layer.rowwise_mm(a.bfloat16(), w.bfloat16(), offs, None), per_expert(lambda e, r: a[r] @ w[e].T))
+    w = rand(E, N, K, group=(N, 1))  # the dgrad quantizes w's columns
+    close(bench_layer.rowwise_mm(d_y.bfloat16(), w.bfloat16().transpose(-2, -1), offs, None),
+          per_expert(lambda e, r: d_y[r] @ w[e]))
+    a, d_y, w = rand(R, K, group=(1, 128)), rand(R, N, group=(1, 128)), rand(E, N, K, group=(128, 128))
+    close(bench_layer.blockwise_mm(a.bfloat16(), w.bfloat16(), offs, counts), per_expert(lambda e, r: a[r] @ w[e].T))
+    close(bench_layer.blockwise_mm(d_y.bfloat16(), w.bfloat16().transpose(-2, -1), offs, counts),
+          per_expert(lambda e, r: d_y[r] @ w[e]))
+    # weight gradients: 128x1 blocks of each expert's rows
+    d_y, a = (torch.cat([rand(-(-m // 128) * 128, n, group=(128, 1))[:m] for m in counts]) for n in (N, K))
+    for wgrad in (bench_layer.grouped_wgrad_bf16, bench_layer.blockwise_wgrad):
+        close(wgrad(d_y.bfloat16(), a.bfloat16(), offs, counts), torch.stack([d_y[r].T @ a[r] for r in rows]))
+
+    inp = bench_layer.make_inputs(shapes.Shape(256, 128, 4, 2, 70, True), torch.device("cpu"))
+    ref = bench_layer.reference(bench_layer.torch_grouped_mm, inp, "layer", ["fwd", "fwdbwd"])
+    args = argparse.Namespace(tol=3e-2, warmup=0, iters=1, soak=0)
+    monitor = bench_layer.GpuMonitor(torch.device("cpu"))
+    for name, precision in bench_layer.FP8_BASELINES.items():
+        for r in bench_layer.bench_impl(name, getattr(bench_layer, name), None, None, precision, inp, ref, "fp8",
+                                        "layer", ["fwd", "fwdbwd"], args, torch.device("cpu"), {}, monitor):
+            assert r["impl"] == bench_layer.impl_label(r) == name and r["precision"] == precision
+            assert r["error"] is None and 3e-2 < r["rel_err"] < bench_layer.FP8_TOL and r["ms"] > 0, r
 
 
 def test_bench_ep_tiny(tmp_path):

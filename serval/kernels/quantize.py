@@ -149,13 +149,14 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
 
 
 def _tile(block: tuple[int, int]) -> tuple[int, int, int]:
-    """(TILE_R, TILE_C, num_warps) for a block shape: ~8K elements a program, 16-byte vectors on the
-    contiguous side, rows of >= 64 bytes on both sides of a transposed store."""
+    """(TILE_R, TILE_C, num_warps) for a block shape: the fastest of a sweep on the H200 over the FP8 layer's
+    own calls (docs/reports/2026-12-01-fp8.md); 2K-8K elements a program, rows of >= 64 bytes on both sides of
+    a transposed store."""
     br, bc = block
     if br == 1:
-        return (256, 32, 8) if bc == 32 else (64, 128, 8)
+        return (64, 32, 2) if bc == 32 else (32, 128, 4)
     if bc == 1:
-        return (32, 256, 8) if br == 32 else (128, 64, 8)
+        return (32, 64, 2) if br == 32 else (128, 64, 8)
     return (32, 32, 2) if br == 32 else (128, 128, 16)
 
 
