@@ -29,7 +29,13 @@ class Config:
         interpreter needs numpy, which the `test` extra installs).
     block_m: rows per expert segment alignment = the M tile of every grouped GEMM.
     recompute: keep only the inputs for backward and recompute the gate/up GEMM there.
-    comm_sms_forward / comm_sms_backward (SMs given to communication), minibatch_size (rows per
+    comm_sms_forward: at expert parallelism, on the kernels, in bf16: how many programs (one per SM) of the
+        gate/up GEMM pull its rows from the owners' token buffers while the others compute, M-tile by M-tile
+        (the dispatch inside the GEMM, `serval.kernels.in_gemm_pull`); 0: the transport's pull kernel runs
+        before the GEMM (the staged path); None: the kernel plan's choice (`KernelPlan.pull_programs`, 0 by
+        default: the staged pull measured faster at EP=2, BENCHMARKS.md). Nothing to move at EP=1, on the
+        torch stages or in FP8 (whose rows are pulled, then quantized): no effect there. Never changes results.
+    comm_sms_backward (SMs given to communication in the backward), minibatch_size (rows per
         compute/communication overlap step, a multiple of block_m; None: MoK's rule, two full waves of tiles
         per expert GEMM, `serval.overlap.layer_minibatch_rows`), macrobatch_size (tokens per macrobatch, None:
         the whole batch): knobs of the fused persistent EP kernel, which is not built: they are validated, and
@@ -48,8 +54,8 @@ class Config:
     backend: Literal["auto", "triton", "torch"] = "auto"
     block_m: int = 128
     recompute: bool = False
-    comm_sms_forward: int = 20
-    comm_sms_backward: int = 20
+    comm_sms_forward: int | None = None
+    comm_sms_backward: int | None = None
     minibatch_size: int | None = None
     macrobatch_size: int | None = None
     capacity_multiplier: float = 2.0
@@ -71,8 +77,8 @@ class Config:
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("comm_sms_forward", "comm_sms_backward"):
             value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value <= 128:
-                raise ValueError(f"Config.{name} must be an int in [0, 128], got {value!r}")
+            if value is not None and (not _is_int(value) or not 0 <= value <= 128):
+                raise ValueError(f"Config.{name} must be None or an int in [0, 128], got {value!r}")
         if self.minibatch_size is not None and (not _is_int(self.minibatch_size) or self.minibatch_size <= 0
                                                 or self.minibatch_size % self.block_m):
             raise ValueError(

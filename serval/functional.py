@@ -252,7 +252,8 @@ def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, work
 
 def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None):
     """The stage implementations for this call: the torch-op stages (`serval.stages`) or the kernels
-    (`serval.kernels.KernelStages`, run as `config.kernel_plan` says, or the plan chosen for x).
+    (`serval.kernels.KernelStages`, run as `config.kernel_plan` says, or the plan chosen for x; with
+    `config.comm_sms_forward` as its pull programs where that is set).
 
     Config.backend "auto" takes the kernels for bf16 on CUDA when every feature dimension (H, I, Is) is a
     multiple of 8, i.e. 16-byte rows (16 for fp8_blockwise: 16-byte E4M3 rows); other shapes take the torch
@@ -267,7 +268,10 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
         kernels.check_supported(x.device, dims, config.precision)
     elif not (x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims, config.precision)):
         return stages
-    return kernels.KernelStages(config.kernel_plan or kernels.plan_for(x))
+    plan = config.kernel_plan or kernels.plan_for(x)
+    if config.comm_sms_forward is not None:  # the contract's knob over the plan's field (see Config)
+        plan = dataclasses.replace(plan, pull_programs=config.comm_sms_forward)
+    return kernels.KernelStages(plan)
 
 
 @dataclasses.dataclass

@@ -6,7 +6,6 @@ are BITWISE equal to the EP=1 layer on the concatenated batch (row order and red
 depend on P), that two runs are identical, and that a routing beyond the capacity is a clear error.
 """
 
-import dataclasses
 import datetime
 import os
 
@@ -55,13 +54,9 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         tokens = slice(rank * num_tokens, (rank + 1) * num_tokens)
         experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
         block_m = 128 if device == "cuda" or precision != "bf16" else 16
-        plan = None
-        if pull_programs:  # the gate/up GEMM pulls its own rows: a plan with pull programs (same results)
-            from serval import kernels
-
-            plan = dataclasses.replace(kernels.plan_for(x), pull_programs=pull_programs)
+        # pull_programs: the gate/up GEMM pulls its own rows with that many programs (same results)
         config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier,
-                               kernel_plan=plan, precision=precision)
+                               comm_sms_forward=pull_programs or None, precision=precision)
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         if capacity_multiplier < world_size and kind == "skewed":
             if device == "cuda":  # no sync: the step is NaN, a later call raises
