@@ -150,8 +150,8 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
 
 def _tile(block: tuple[int, int]) -> tuple[int, int, int]:
     """(TILE_R, TILE_C, num_warps) for a block shape: the fastest of a sweep on the H200 over the FP8 layer's
-    own calls (docs/reports/2026-12-01-fp8-second-run.md); 2K-8K elements a program, rows of >= 64 bytes on both sides of
-    a transposed store."""
+    own calls (docs/reports/2026-12-01-fp8-second-run.md); 2K-8K elements a program, rows of >= 64 bytes on
+    both sides of a transposed store."""
     br, bc = block
     if br == 1:
         return (64, 32, 2) if bc == 32 else (32, 128, 4)
