@@ -29,17 +29,20 @@ class Config:
         interpreter needs numpy, which the `test` extra installs).
     block_m: rows per expert segment alignment = the M tile of every grouped GEMM.
     recompute: keep only the inputs for backward and recompute the gate/up GEMM there.
-    comm_sms_forward: at expert parallelism, on the kernels, in bf16: how many programs (one per SM) of the
-        gate/up GEMM pull its rows from the owners' token buffers while the others compute, M-tile by M-tile
-        (the dispatch inside the GEMM, `serval.kernels.in_gemm_pull`); 0: the transport's pull kernel runs
-        before the GEMM (the staged path); None: the kernel plan's choice (`KernelPlan.pull_programs`, 0 by
-        default: the staged pull measured faster at EP=2, BENCHMARKS.md). Nothing to move at EP=1, on the
-        torch stages or in FP8 (whose rows are pulled, then quantized): no effect there. Never changes results.
-    comm_sms_backward (SMs given to communication in the backward), minibatch_size (rows per
-        compute/communication overlap step, a multiple of block_m; None: MoK's rule, two full waves of tiles
-        per expert GEMM, `serval.overlap.layer_minibatch_rows`), macrobatch_size (tokens per macrobatch, None:
-        the whole batch): knobs of the fused persistent EP kernel, which is not built: they are validated, and
-        the layer reads none of them today (`tools/ep_cost_model.py` models them).
+    comm_sms_forward / comm_sms_backward: at expert parallelism, on the kernels, in bf16: how many programs
+        (one per SM) of the gate/up GEMM (forward: x's rows) / of the down dgrad (backward: d_y's rows, which
+        then serve the down weight gradient too) pull the GEMM's rows from the owners' token buffers while the
+        others compute, M-tile by M-tile (the dispatch inside the GEMM, `serval.kernels.in_gemm_pull`; the
+        backward's second pull, x's rows for the gate/up weight gradient, stays staged); 0: the transport's
+        pull kernel runs before the GEMM (the staged path); None: the kernel plan's choice
+        (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: the forward's staged pull measured
+        faster at EP=2, BENCHMARKS.md; the backward's in-GEMM pull is not measured). Nothing to move at EP=1,
+        on the torch stages or in FP8 (whose rows are pulled, then quantized): no effect there. Never changes
+        results.
+    minibatch_size (rows per compute/communication overlap step, a multiple of block_m; None: MoK's rule,
+        two full waves of tiles per expert GEMM, `serval.overlap.layer_minibatch_rows`), macrobatch_size
+        (tokens per macrobatch, None: the whole batch): knobs of the fused persistent EP kernel, which is not
+        built: they are validated, and the layer reads neither today (`tools/ep_cost_model.py` models them).
     capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
     kernel_plan: the engine and tiles of every GEMM stage on the kernel backend (`serval.plan.KernelPlan`);
         None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, never results.

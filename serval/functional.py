@@ -253,7 +253,7 @@ def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, work
 def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None):
     """The stage implementations for this call: the torch-op stages (`serval.stages`) or the kernels
     (`serval.kernels.KernelStages`, run as `config.kernel_plan` says, or the plan chosen for x; with
-    `config.comm_sms_forward` as its pull programs where that is set).
+    `config.comm_sms_forward` / `comm_sms_backward` as its pull programs where they are set).
 
     Config.backend "auto" takes the kernels for bf16 on CUDA when every feature dimension (H, I, Is) is a
     multiple of 8, i.e. 16-byte rows (16 for fp8_blockwise: 16-byte E4M3 rows); other shapes take the torch
@@ -269,8 +269,9 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
     elif not (x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims, config.precision)):
         return stages
     plan = config.kernel_plan or kernels.plan_for(x)
-    if config.comm_sms_forward is not None:  # the contract's knob over the plan's field (see Config)
-        plan = dataclasses.replace(plan, pull_programs=config.comm_sms_forward)
+    for knob, field in (("comm_sms_forward", "pull_programs"), ("comm_sms_backward", "dgrad_pull_programs")):
+        if getattr(config, knob) is not None:  # the contract's knobs over the plan's fields (see Config)
+            plan = dataclasses.replace(plan, **{field: getattr(config, knob)})
     return kernels.KernelStages(plan)
 
 
@@ -417,16 +418,23 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
 
 
 def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, gate_up, w_gate, w_up, w_down,
-                     swiglu_limit, transport, shared_d_x=None):
+                     swiglu_limit, workspace, shared_d_x=None):
     """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down).
 
     Ordered so that each [R, *] buffer dies as soon as its last use is done (d_y rows and rw * h
     after the down weight gradient, d_x rows after their slot sum; at EP with the kernels they are
     never made: the GEMM pushes them): the peak holds about two of them.
     """
-    d_y_rows = _rows_in(ops, d_y, schedule, transport)
-    d_gate_up, h_weighted, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights,
-                                                             schedule, swiglu_limit)
+    transport = _transport(workspace)
+    if transport is not None and ops.pulls_in_dgrad:  # the dgrad's programs pull d_y's rows into d_y_rows
+        d_y_rows = torch.empty(schedule.capacity, d_y.shape[1], dtype=d_y.dtype, device=d_y.device)
+        d_gate_up, h_weighted, d_rw_rows = transport.pull_into(
+            lambda source: ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights, schedule,
+                                                 swiglu_limit, pull_from=source, pull_flags=workspace.pull_flags), d_y)
+    else:
+        d_y_rows = _rows_in(ops, d_y, schedule, transport)
+        d_gate_up, h_weighted, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights,
+                                                                 schedule, swiglu_limit)
     d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
     del d_y_rows, h_weighted
     d_x_rows = _gemm_out(ops, lambda **push: ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule, **push),
@@ -463,7 +471,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     if recipe is None:
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(
             ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
-            ctx.swiglu_limit, transport, shared_d_x)
+            ctx.swiglu_limit, workspace, shared_d_x)
     else:
         if config.debug:
             precision.check_finite("d_y", d_y)

@@ -88,6 +88,8 @@ class KernelPlan:
     `pull_programs` > 0: at expert parallelism the gate/up GEMM's first `pull_programs` programs pull its
     rows from the owners' token buffers, `pull_block_c` columns a step, while the others compute
     (`serval.kernels.in_gemm_pull`); 0: the transport's pull kernel runs before the GEMM.
+    `dgrad_pull_programs` > 0: the same for the backward's down dgrad, pulling d_y's rows (on the Triton
+    engine); the pulled rows then serve the down weight gradient too.
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"
@@ -103,6 +105,7 @@ class KernelPlan:
     pingpong: GluonConfig = GluonConfig(stages=4, epi_split=8, group_m=4)
     use_tma: bool = True
     pull_programs: int = 0
+    dgrad_pull_programs: int = 0
     pull_block_c: int = 256
 
     def __post_init__(self):
@@ -111,8 +114,10 @@ class KernelPlan:
         for name, allowed in engines.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"KernelPlan.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not isinstance(self.pull_programs, int) or self.pull_programs < 0:
-            raise ValueError(f"KernelPlan.pull_programs must be an int >= 0, got {self.pull_programs!r}")
+        for name in ("pull_programs", "dgrad_pull_programs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"KernelPlan.{name} must be an int >= 0, got {value!r}")
 
     def tiles(self, stage: str) -> TileConfig:
         """The Triton GEMM's tiles for one of STAGES."""

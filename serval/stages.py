@@ -31,6 +31,7 @@ from .schedule import Schedule, packed_index, packed_rows
 # memory, so the layer pulls rows before these stages and pushes their rows after them.
 pushes_from_epilogue = False
 pulls_in_gemm = False
+pulls_in_dgrad = False
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

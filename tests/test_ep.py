@@ -54,9 +54,11 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         tokens = slice(rank * num_tokens, (rank + 1) * num_tokens)
         experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
         block_m = 128 if device == "cuda" or precision != "bf16" else 16
-        # pull_programs: the gate/up GEMM pulls its own rows with that many programs (same results)
+        # pull_programs: the gate/up GEMM and the down dgrad pull their own rows with that many programs (same
+        # results)
         config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier,
-                               comm_sms_forward=pull_programs or None, precision=precision)
+                               comm_sms_forward=pull_programs or None, comm_sms_backward=pull_programs or None,
+                               precision=precision)
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         if capacity_multiplier < world_size and kind == "skewed":
             if device == "cuda":  # no sync: the step is NaN, a later call raises
@@ -143,7 +145,8 @@ def misuse_worker(rank, world_size, init_file, scenario):
 
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
         pull_programs=0, precision="bf16", inter=I):
-    """pull_programs: KernelPlan.pull_programs in the ranks (the gate/up GEMM pulling its own rows)."""
+    """pull_programs: Config.comm_sms_forward and comm_sms_backward in the ranks (the gate/up GEMM and the down
+    dgrad pulling their own rows)."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
                            pull_programs, precision, inter), nprocs=world_size, join=True)
 
@@ -229,6 +232,15 @@ def test_ep_symmetric_memory_on_one_gpu(world_size, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(world_size, tmp_path, backend="auto", device="cuda")
+
+
+@requires_cuda
+def test_ep_in_gemm_pulls_on_one_gpu(tmp_path, monkeypatch):
+    """comm_sms_forward / comm_sms_backward > 0 on the CUDA path: the gate/up GEMM and the down dgrad pull their
+    rows themselves (bounded flag waits); bitwise equal to EP=1."""
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8)
 
 
 @requires_cuda

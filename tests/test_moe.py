@@ -213,8 +213,9 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="capacity_multiplier"):
         serval.Config(capacity_multiplier=0.5)
     for value in (-1, 129, True, 2.0):
-        with pytest.raises(ValueError, match="comm_sms_forward"):
-            serval.Config(comm_sms_forward=value)
+        for knob in ("comm_sms_forward", "comm_sms_backward"):
+            with pytest.raises(ValueError, match=knob):
+                serval.Config(**{knob: value})
     with pytest.raises(ValueError, match="bfloat16"):  # the FP8 precisions quantize bf16 inputs
         call(config=serval.Config(precision="mxfp8"))
     from serval.kernels import INTERPRET
@@ -224,9 +225,9 @@ def test_bad_inputs_name_the_argument():
             call(config=serval.Config(backend="triton"))
 
 
-def test_comm_sms_forward_sets_the_gate_up_gemms_pull_programs():
-    """Config.comm_sms_forward is the kernel plan's pull_programs (None: the plan's own, 0 by default); the
-    EP tests run it (tests/test_ep.py, bitwise equal to EP=1)."""
+def test_comm_sms_knobs_set_the_gemms_pull_programs():
+    """Config.comm_sms_forward / comm_sms_backward are the kernel plan's pull_programs / dgrad_pull_programs
+    (None: the plan's own, 0 by default); the EP tests run them (tests/test_ep.py, bitwise equal to EP=1)."""
     from serval import functional, kernels
 
     if not (kernels.INTERPRET or torch.cuda.is_available()):
@@ -235,7 +236,9 @@ def test_comm_sms_forward_sets_the_gate_up_gemms_pull_programs():
     x, (wg, _, _), _ = make_layer(13, 16, 8, 4, device=device, dtype=torch.bfloat16)
     for value, want in ((None, 0), (0, 0), (6, 6)):
         ops = functional.select_backend(serval.Config(backend="triton", comm_sms_forward=value), x, wg)
-        assert ops.plan.pull_programs == want and ops.pulls_in_gemm == (want > 0)
+        assert ops.plan.pull_programs == want and ops.pulls_in_gemm == (want > 0) and not ops.pulls_in_dgrad
+        ops = functional.select_backend(serval.Config(backend="triton", comm_sms_backward=value), x, wg)
+        assert ops.plan.dgrad_pull_programs == want and ops.pulls_in_dgrad == (want > 0) and not ops.pulls_in_gemm
 
 
 def test_torch_compile_fullgraph():

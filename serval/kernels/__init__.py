@@ -48,6 +48,11 @@ class KernelStages:
         """Whether gate_up_swiglu pulls its rows from the EP owners' buffers itself (`pull_from`)."""
         return self.plan.pull_programs > 0
 
+    @property
+    def pulls_in_dgrad(self) -> bool:
+        """Whether down_dgrad_swiglu pulls d_y's rows from the EP owners' buffers itself (`pull_from`)."""
+        return self.plan.dgrad_pull_programs > 0
+
     gather = staticmethod(gather)
     combine = staticmethod(combine)
     sum_slots = staticmethod(sum_slots)

@@ -56,24 +56,36 @@ def down(h, w_down, schedule: Schedule, *, plan: KernelPlan, push_to: PeerSlots 
 
 
 def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None,
-                      *, plan: KernelPlan):
+                      *, plan: KernelPlan, pull_from: PeerTokens | None = None,
+                      pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None):
     """d_h = rw * (d_y_row @ w_down[e]), the SwiGLU backward and the router-weight gradient, in one GEMM.
 
     d_y_rows [R, H]; w_down [E, H, I]; gate_up [num_packed, 2I] packed, as gate_up_swiglu returns it;
     router_weights [N, k] (the group's [P*N, k] at EP). Returns d_gate_up [R, 2I], h_weighted = rw * h
-    [R, I] and d_rw_rows fp32 [R]."""
+    [R, I] and d_rw_rows fp32 [R]. pull_from (at EP, with pull_flags): d_y_rows is an empty [R, H] buffer that
+    plan.dgrad_pull_programs of the GEMM's programs fill from the owners' token buffers (d_y) while the others
+    compute, on the Triton engine; the caller reads the rows from it afterwards."""
     inter = w_down.shape[2]
     if gate_up.shape != (schedule.num_packed, 2 * inter):
         raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
                          f"(schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
     router_weights = router_weights.contiguous().view(-1).float()
-    if plan.down_dgrad_engine == "pingpong" and gluon_common.takes(schedule, d_y_rows, w_down, gate_up,
-                                                                   k=w_down.shape[1], split_at=inter):
+    pull = None
+    if pull_from is not None:
+        hidden = w_down.shape[1]
+        if (pull_flags is None or pull_from.cols != hidden or pull_from.dtype != d_y_rows.dtype
+                or tuple(d_y_rows.shape) != (schedule.capacity, hidden) or not d_y_rows.is_contiguous()):
+            raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns, pull_flags, "
+                             f"and d_y_rows a contiguous [{schedule.capacity}, {hidden}] buffer of that dtype")
+        pull = in_gemm_pull.Pull(pull_from, max(plan.dgrad_pull_programs, 1), plan.pull_block_c, *pull_flags)
+    pingpong = plan.down_dgrad_engine == "pingpong" and pull is None  # a pull runs on the Triton engine
+    if pingpong and gluon_common.takes(schedule, d_y_rows, w_down, gate_up, k=w_down.shape[1], split_at=inter):
         d_gate_up, h_weighted, d_rw_partial = gluon_pingpong.down_dgrad_swiglu_partials(
             d_y_rows.contiguous(), w_down, gate_up, router_weights, schedule, swiglu_limit, plan.pingpong)
     else:
         d_gate_up, h_weighted, d_rw_partial = triton_gemm.down_dgrad_swiglu_partials(
-            d_y_rows, w_down, gate_up, router_weights, schedule, swiglu_limit, plan.down_dgrad_tiles, plan.use_tma)
+            d_y_rows, w_down, gate_up, router_weights, schedule, swiglu_limit, plan.down_dgrad_tiles, plan.use_tma,
+            pull=pull)
     return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule)
 
 

@@ -32,9 +32,9 @@ specialises each use:
   The rows leave over NVLink while later tiles compute and are never written locally and read back.
   Padding rows write nothing. Pointer stores (scattered rows in peers' memory: no TMA); PUSH_ALIGNED:
   16-byte vectors (host-checked).
-* PULL_PROGRAMS > 0 (at expert parallelism, the gate/up GEMM): the dispatch inside the GEMM: the first
-  PULL_PROGRAMS programs pull A's rows M-tile by M-tile from the owners' token buffers and publish each
-  with a flag the compute programs wait for (`in_gemm_pull`).
+* PULL_PROGRAMS > 0 (at expert parallelism, the gate/up GEMM and the down dgrad): the dispatch inside the
+  GEMM: the first PULL_PROGRAMS programs pull A's rows (x's, d_y's) M-tile by M-tile from the owners' token
+  buffers and publish each with a flag the compute programs wait for (`in_gemm_pull`).
 * UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set there only).
 
 Persistent: the grid is one program per SM (fewer when the capacity has fewer tiles); program p takes
@@ -476,10 +476,12 @@ def down(h, w_down, schedule: Schedule, tiles: TileConfig, use_tma: bool, *, pus
 
 
 def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule,
-                               swiglu_limit: float | None, tiles: TileConfig, use_tma: bool):
+                               swiglu_limit: float | None, tiles: TileConfig, use_tma: bool, *,
+                               pull: in_gemm_pull.Pull | None = None):
     """Down dgrad + SwiGLU backward: d_y_rows [R, H], w_down [E, H, I], gate_up [num_packed, 2I] (packed),
     router_weights fp32 [N * k] (by source). Returns d_gate_up [R, 2I], h_weighted = rw * h [R, I] and the
-    router-weight gradient's row partials fp32 [R, ceil(I / block_n)] (`sum_partials` reduces them)."""
+    router-weight gradient's row partials fp32 [R, ceil(I / block_n)] (`sum_partials` reduces them). With
+    `pull`, d_y_rows is the contiguous buffer the GEMM's communication programs fill (as gate_up_swiglu's)."""
     _check(d_y_rows, w_down, gate_up)
     hidden, inter = w_down.shape[1:]
     num_rows = schedule.capacity
@@ -490,7 +492,7 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     _launch(a=d_y_rows.contiguous(), weights=(w_down.contiguous(),), out=d_gate_up, h=h_weighted,
             schedule=schedule, n_out=inter, k=hidden, w_nk=False, k_split=False, epilogue="swiglu_bwd",
             tiles=tiles, use_tma=use_tma, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
-            gate_up=gate_up.contiguous(), router_weights=router_weights, d_rw_partial=d_rw_partial)
+            gate_up=gate_up.contiguous(), router_weights=router_weights, d_rw_partial=d_rw_partial, pull=pull)
     return d_gate_up, h_weighted, d_rw_partial
 
 
