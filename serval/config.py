@@ -39,10 +39,13 @@ class Config:
         faster at EP=2, BENCHMARKS.md; the backward's in-GEMM pull is not measured). Nothing to move at EP=1,
         on the torch stages or in FP8 (whose rows are pulled, then quantized): no effect there. Never changes
         results.
-    minibatch_size (rows per compute/communication overlap step, a multiple of block_m; None: MoK's rule,
-        two full waves of tiles per expert GEMM, `serval.overlap.layer_minibatch_rows`), macrobatch_size
-        (tokens per macrobatch, None: the whole batch): knobs of the fused persistent EP kernel, which is not
-        built: they are validated, and the layer reads neither today (`tools/ep_cost_model.py` models them).
+    minibatch_size: rows per compute/communication overlap step, a multiple of block_m: in a GEMM that pulls
+        its rows (comm_sms_* > 0), the compute programs take every output tile of one minibatch's rows before
+        the next minibatch's (while that one arrives); None: MoK's rule, two full waves of tiles on the compute
+        SMs (`serval.overlap.layer_minibatch_rows`). No effect where nothing is pulled in a GEMM. Never changes
+        results.
+    macrobatch_size (tokens per macrobatch, None: the whole batch): a knob of the fused persistent EP kernel
+        with its ring buffer, which is not built: validated, read by nothing (`tools/ep_cost_model.py`).
     capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
     kernel_plan: the engine and tiles of every GEMM stage on the kernel backend (`serval.plan.KernelPlan`);
         None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, never results.

@@ -253,7 +253,8 @@ def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, work
 def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None):
     """The stage implementations for this call: the torch-op stages (`serval.stages`) or the kernels
     (`serval.kernels.KernelStages`, run as `config.kernel_plan` says, or the plan chosen for x; with
-    `config.comm_sms_forward` / `comm_sms_backward` as its pull programs where they are set).
+    `config.comm_sms_forward` / `comm_sms_backward` as its pull programs and `minibatch_size` as its
+    minibatch where they are set).
 
     Config.backend "auto" takes the kernels for bf16 on CUDA when every feature dimension (H, I, Is) is a
     multiple of 8, i.e. 16-byte rows (16 for fp8_blockwise: 16-byte E4M3 rows); other shapes take the torch
@@ -269,7 +270,8 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
     elif not (x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims, config.precision)):
         return stages
     plan = config.kernel_plan or kernels.plan_for(x)
-    for knob, field in (("comm_sms_forward", "pull_programs"), ("comm_sms_backward", "dgrad_pull_programs")):
+    for knob, field in (("comm_sms_forward", "pull_programs"), ("comm_sms_backward", "dgrad_pull_programs"),
+                        ("minibatch_size", "minibatch_rows")):
         if getattr(config, knob) is not None:  # the contract's knobs over the plan's fields (see Config)
             plan = dataclasses.replace(plan, **{field: getattr(config, knob)})
     return kernels.KernelStages(plan)

@@ -89,7 +89,10 @@ class KernelPlan:
     rows from the owners' token buffers, `pull_block_c` columns a step, while the others compute
     (`serval.kernels.in_gemm_pull`); 0: the transport's pull kernel runs before the GEMM.
     `dgrad_pull_programs` > 0: the same for the backward's down dgrad, pulling d_y's rows (on the Triton
-    engine); the pulled rows then serve the down weight gradient too.
+    engine); the pulled rows then serve the down weight gradient too. `minibatch_rows`: in a GEMM with pull
+    programs, the rows whose every output tile the compute programs take before the next rows' (the tile
+    order's M-group, so one minibatch computes while the next arrives); None: MoK's rule, two full waves of
+    tiles on the compute SMs (`serval.overlap.layer_minibatch_rows`).
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"
@@ -107,6 +110,7 @@ class KernelPlan:
     pull_programs: int = 0
     dgrad_pull_programs: int = 0
     pull_block_c: int = 256
+    minibatch_rows: int | None = None
 
     def __post_init__(self):
         engines = {"gate_up_engine": ("triton", "cooperative"), "down_engine": ("triton", "cooperative"),
@@ -118,6 +122,9 @@ class KernelPlan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"KernelPlan.{name} must be an int >= 0, got {value!r}")
+        if self.minibatch_rows is not None and (not isinstance(self.minibatch_rows, int)
+                                                or isinstance(self.minibatch_rows, bool) or self.minibatch_rows < 1):
+            raise ValueError(f"KernelPlan.minibatch_rows must be None or an int >= 1, got {self.minibatch_rows!r}")
 
     def tiles(self, stage: str) -> TileConfig:
         """The Triton GEMM's tiles for one of STAGES."""

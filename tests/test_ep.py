@@ -58,7 +58,7 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         # results)
         config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier,
                                comm_sms_forward=pull_programs or None, comm_sms_backward=pull_programs or None,
-                               precision=precision)
+                               minibatch_size=2 * block_m if pull_programs else None, precision=precision)
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         if capacity_multiplier < world_size and kind == "skewed":
             if device == "cuda":  # no sync: the step is NaN, a later call raises

@@ -457,6 +457,25 @@ def test_plan_rejects_unknown_engines():
         KernelPlan(down_engine="pingpong")
     with pytest.raises(ValueError, match="pull_programs"):
         KernelPlan(pull_programs=-1)
+    with pytest.raises(ValueError, match="dgrad_pull_programs"):
+        KernelPlan(dgrad_pull_programs=True)
+    with pytest.raises(ValueError, match="minibatch_rows"):
+        KernelPlan(minibatch_rows=0)
+
+
+def test_pulling_gemms_take_their_tiles_minibatch_by_minibatch(monkeypatch):
+    """A GEMM with pull programs groups its tile order by minibatch: KernelPlan.minibatch_rows in whole M-tiles,
+    or MoK's rule (serval.overlap) on the SMs left to compute."""
+    from serval import overlap
+
+    monkeypatch.setattr(common, "num_sms", lambda *a: 132)
+    schedule = build_schedule(torch.zeros(64, 2, dtype=torch.long), 4, 128)
+    pull = in_gemm_pull.Pull(None, 20, 256, None, None)
+    tiles = TileConfig(128, 128, 64)
+    args = (schedule, 7168, 2048, torch.device("cpu"))
+    assert gemm_stages._pulling_tiles(tiles, KernelPlan(minibatch_rows=512), pull, *args).group_m == 4
+    rule = overlap.layer_minibatch_rows(7168, 2048, 112, 128)
+    assert gemm_stages._pulling_tiles(tiles, KernelPlan(), pull, *args).group_m == rule // 128 == 14
 
 
 # ---------------------------------------------------------------- GPU, real sizes

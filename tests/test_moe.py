@@ -226,8 +226,9 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_comm_sms_knobs_set_the_gemms_pull_programs():
-    """Config.comm_sms_forward / comm_sms_backward are the kernel plan's pull_programs / dgrad_pull_programs
-    (None: the plan's own, 0 by default); the EP tests run them (tests/test_ep.py, bitwise equal to EP=1)."""
+    """Config.comm_sms_forward / comm_sms_backward / minibatch_size are the kernel plan's pull_programs /
+    dgrad_pull_programs / minibatch_rows (None: the plan's own); the EP tests run them (tests/test_ep.py,
+    bitwise equal to EP=1)."""
     from serval import functional, kernels
 
     if not (kernels.INTERPRET or torch.cuda.is_available()):
@@ -239,6 +240,9 @@ def test_comm_sms_knobs_set_the_gemms_pull_programs():
         assert ops.plan.pull_programs == want and ops.pulls_in_gemm == (want > 0) and not ops.pulls_in_dgrad
         ops = functional.select_backend(serval.Config(backend="triton", comm_sms_backward=value), x, wg)
         assert ops.plan.dgrad_pull_programs == want and ops.pulls_in_dgrad == (want > 0) and not ops.pulls_in_gemm
+    for value in (None, 256):
+        ops = functional.select_backend(serval.Config(backend="triton", minibatch_size=value), x, wg)
+        assert ops.plan.minibatch_rows == value
 
 
 def test_torch_compile_fullgraph():

@@ -3,20 +3,34 @@ engine takes the operands, else the Triton GEMM (`triton_gemm`), which takes eve
 bit for bit, so the choice changes speed only.
 
 Signatures and numerics are those of `serval.stages` (the torch-op contract), plus `plan` and the expert-
-parallel hooks: `pull_from` (the gate/up GEMM pulls its own rows, `in_gemm_pull`) and `push_to` (down and
+parallel hooks: `pull_from` (the gate/up GEMM and the down dgrad pull their own rows, `in_gemm_pull`, their
+tile order grouped by minibatch: `KernelPlan.minibatch_rows`) and `push_to` (down and
 the gate/up dgrad store their rows into the owners' slots, `triton_gemm` PUSH). Shapes: N tokens, k slots,
 H hidden, I intermediate, E experts, R rows (the schedule's capacity).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ..overlap import layer_minibatch_rows
 from ..peers import PeerSlots, PeerTokens
-from ..plan import KernelPlan
+from ..plan import KernelPlan, TileConfig
 from ..schedule import Schedule
 from . import common, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
 from .rows import gather as gather_rows
+
+
+def _pulling_tiles(tiles: TileConfig, plan: KernelPlan, pull: in_gemm_pull.Pull, schedule: Schedule, hidden: int,
+                   inter: int, device) -> TileConfig:
+    """A pulling GEMM's tiles, the tile order grouped by minibatch: plan.minibatch_rows, or MoK's rule on the
+    SMs left to compute, in whole M-tiles."""
+    block_m = min(tiles.block_m, schedule.block_m)
+    rows = plan.minibatch_rows or layer_minibatch_rows(
+        hidden, inter, max(1, common.num_sms(device.index) - pull.programs), block_m)
+    return dataclasses.replace(tiles, group_m=max(1, rows // block_m))
 
 
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *, plan: KernelPlan,
@@ -36,8 +50,9 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
                              f"[{hidden}] {x.dtype}), pull_flags, and no a_rows")
         a_rows = common.empty((schedule.capacity, hidden), x.dtype, x.device)
         pull = in_gemm_pull.Pull(pull_from, max(plan.pull_programs, 1), plan.pull_block_c, *pull_flags)
-        return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, plan.gate_up_tiles,
-                                          plan.use_tma, pull=pull)
+        tiles = _pulling_tiles(plan.gate_up_tiles, plan, pull, schedule, hidden, w_gate.shape[1], x.device)
+        return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, tiles, plan.use_tma,
+                                          pull=pull)
     if a_rows is None:
         if plan.gate_up_engine == "cooperative" and gluon_common.takes(schedule, x, w_gate, w_up):
             return gluon_cooperative.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, plan.cooperative_gather,
@@ -70,7 +85,7 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
         raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
                          f"(schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
     router_weights = router_weights.contiguous().view(-1).float()
-    pull = None
+    pull, tiles = None, plan.down_dgrad_tiles
     if pull_from is not None:
         hidden = w_down.shape[1]
         if (pull_flags is None or pull_from.cols != hidden or pull_from.dtype != d_y_rows.dtype
@@ -78,14 +93,14 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
             raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns, pull_flags, "
                              f"and d_y_rows a contiguous [{schedule.capacity}, {hidden}] buffer of that dtype")
         pull = in_gemm_pull.Pull(pull_from, max(plan.dgrad_pull_programs, 1), plan.pull_block_c, *pull_flags)
+        tiles = _pulling_tiles(tiles, plan, pull, schedule, hidden, inter, d_y_rows.device)
     pingpong = plan.down_dgrad_engine == "pingpong" and pull is None  # a pull runs on the Triton engine
     if pingpong and gluon_common.takes(schedule, d_y_rows, w_down, gate_up, k=w_down.shape[1], split_at=inter):
         d_gate_up, h_weighted, d_rw_partial = gluon_pingpong.down_dgrad_swiglu_partials(
             d_y_rows.contiguous(), w_down, gate_up, router_weights, schedule, swiglu_limit, plan.pingpong)
     else:
         d_gate_up, h_weighted, d_rw_partial = triton_gemm.down_dgrad_swiglu_partials(
-            d_y_rows, w_down, gate_up, router_weights, schedule, swiglu_limit, plan.down_dgrad_tiles, plan.use_tma,
-            pull=pull)
+            d_y_rows, w_down, gate_up, router_weights, schedule, swiglu_limit, tiles, plan.use_tma, pull=pull)
     return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule)
 
 
