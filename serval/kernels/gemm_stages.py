@@ -33,6 +33,18 @@ def _pulling_tiles(tiles: TileConfig, plan: KernelPlan, pull: in_gemm_pull.Pull,
     return dataclasses.replace(tiles, group_m=max(1, rows // block_m))
 
 
+def _in_gemm_pull(plan: KernelPlan, programs: int, tiles: TileConfig, pull_from: PeerTokens, pull_flags, rows,
+                  schedule: Schedule, hidden: int, inter: int):
+    """(Pull, tiles) of a GEMM whose first `programs` programs pull its A rows into `rows` (a contiguous
+    [R, H] buffer of the token buffers' dtype): ValueError unless the arguments fit."""
+    if (pull_flags is None or pull_from.cols != hidden or pull_from.dtype != rows.dtype
+            or tuple(rows.shape) != (schedule.capacity, hidden) or not rows.is_contiguous()):
+        raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns for A rows "
+                         f"[{schedule.capacity}, {hidden}] {rows.dtype} (contiguous), and pull_flags")
+    pull = in_gemm_pull.Pull(pull_from, max(programs, 1), plan.pull_block_c, *pull_flags)
+    return pull, _pulling_tiles(tiles, plan, pull, schedule, hidden, inter, rows.device)
+
+
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *, plan: KernelPlan,
                    a_rows: torch.Tensor | None = None, pull_from: PeerTokens | None = None,
                    pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -45,12 +57,11 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
     """
     hidden = w_gate.shape[2]
     if pull_from is not None:
-        if a_rows is not None or pull_flags is None or pull_from.cols != hidden or pull_from.dtype != x.dtype:
-            raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns (x: "
-                             f"[{hidden}] {x.dtype}), pull_flags, and no a_rows")
+        if a_rows is not None:
+            raise ValueError("pull_from: the GEMM pulls its rows itself; pass no a_rows")
         a_rows = common.empty((schedule.capacity, hidden), x.dtype, x.device)
-        pull = in_gemm_pull.Pull(pull_from, max(plan.pull_programs, 1), plan.pull_block_c, *pull_flags)
-        tiles = _pulling_tiles(plan.gate_up_tiles, plan, pull, schedule, hidden, w_gate.shape[1], x.device)
+        pull, tiles = _in_gemm_pull(plan, plan.pull_programs, plan.gate_up_tiles, pull_from, pull_flags, a_rows,
+                                    schedule, hidden, w_gate.shape[1])
         return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, tiles, plan.use_tma,
                                           pull=pull)
     if a_rows is None:
@@ -87,13 +98,8 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     router_weights = router_weights.contiguous().view(-1).float()
     pull, tiles = None, plan.down_dgrad_tiles
     if pull_from is not None:
-        hidden = w_down.shape[1]
-        if (pull_flags is None or pull_from.cols != hidden or pull_from.dtype != d_y_rows.dtype
-                or tuple(d_y_rows.shape) != (schedule.capacity, hidden) or not d_y_rows.is_contiguous()):
-            raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns, pull_flags, "
-                             f"and d_y_rows a contiguous [{schedule.capacity}, {hidden}] buffer of that dtype")
-        pull = in_gemm_pull.Pull(pull_from, max(plan.dgrad_pull_programs, 1), plan.pull_block_c, *pull_flags)
-        tiles = _pulling_tiles(tiles, plan, pull, schedule, hidden, inter, d_y_rows.device)
+        pull, tiles = _in_gemm_pull(plan, plan.dgrad_pull_programs, tiles, pull_from, pull_flags, d_y_rows,
+                                    schedule, w_down.shape[1], inter)
     pingpong = plan.down_dgrad_engine == "pingpong" and pull is None  # a pull runs on the Triton engine
     if pingpong and gluon_common.takes(schedule, d_y_rows, w_down, gate_up, k=w_down.shape[1], split_at=inter):
         d_gate_up, h_weighted, d_rw_partial = gluon_pingpong.down_dgrad_swiglu_partials(
