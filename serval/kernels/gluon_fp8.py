@@ -9,7 +9,7 @@ Roles (warp-specialised, as `gluon_cooperative`): one TMA loader warp fills a ST
 and [BLOCK_N, 128] B fp8 slots (both K-major, as fp8 wgmma on Hopper needs; every operand of the recipe is
 K-contiguous for that reason). Two consumer warp groups own rows 0-63 and 64-127 of each 128-row tile
 (cooperative: both read every stage, `empty` counts both). Per K step each consumer issues its async wgmma
-from a zero accumulator, loads the NEXT step's scales while it runs, waits, releases the slot, then promotes
+from a zero accumulator, loads this step's scales while it runs, waits, releases the slot, then promotes
 on the CUDA cores. The two consumers drift apart by themselves, so while one promotes the other's wgmma keeps
 the tensor cores busy: DeepGEMM's way of keeping the promotion off the critical path. Registers: BLOCK_N = 128
 gives 64 accumulator + 64 partial fp32 per thread (setmaxnreg 232 for the consumers).
@@ -19,7 +19,9 @@ the 2-D TMA view [E * N, K] (an N-tile past N reads the next expert's rows into 
 last expert's are zero-filled). B_SCALE_GROUP = 128 with BLOCK_N dividing 128: one weight scale per tile and
 step (a scalar). SEGMENT "k" (weight_grad): tiles E x M-tiles x N-tiles (expert-major), each looping over its
 expert's rows [offsets[e], offsets[e + 1]) read from the device table by both roles; A [M, R] and B [N, R];
-per-row b scales (B_SCALE_GROUP = 1, a vector per step); an expert with no rows stores zeros.
+per-row b scales (B_SCALE_GROUP = 1, a vector per step); an expert with no rows stores zeros. The host hands
+the kernel scale tables it can read without masks: the "k" scales transposed to [R/128, rows padded to whole
+tiles].
 
 Epilogue: [64, EPI_N] column chunks converted to bf16 and stored with 16-byte pointer stores (no shared
 memory taken from the ring). The mbarrier waits need no time bound: every arrival they wait for is made
@@ -94,14 +96,6 @@ if gluon_common.GLUON:
         return expert, m_tile, n_tile, k_begin, k_end
 
     @gluon.jit
-    def _load_sb(sb_ptrs, kb, stride_bs_k, col_offs, mask, SCALAR_SB: gl.constexpr):
-        """The weight scales of K step kb: a scalar (one 128-column block), or the tile's columns of a [KB, N] row."""
-        if SCALAR_SB:
-            return gl.load(sb_ptrs + kb * stride_bs_k, mask=mask, other=0.0)
-        else:
-            return gl.load((sb_ptrs + kb * stride_bs_k) + col_offs, mask=mask, other=0.0)
-
-    @gluon.jit
     def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, expert_offsets_ptr, sched_block_m,
                 num_tiles, num_m_tiles, num_n_tiles, N, K, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr,
                 STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
@@ -156,22 +150,12 @@ if gluon_common.GLUON:
                                                            GROUP_M, BLOCK_M)
             r0 = m_tile * BLOCK_M + CONSUMER * HALF_M
             n0 = n_tile * BLOCK_N
-            rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
-            row_ok = rows < M
-            sa_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_as_m
+            # the host pads the scales so that no load needs a mask (no predicates or zero fills per step)
+            sa_ptrs = a_scale_ptr + (r0 + gl.arange(0, HALF_M, layout=row_layout)).to(gl.int64) * stride_as_m
             if SCALAR_SB:
                 sb_ptrs = b_scale_ptr + expert.to(gl.int64) * stride_bs_e + (n0 // B_SCALE_GROUP) * stride_bs_n
-                col_offs = 0
-                col_ok = True
-            else:  # per-column scales, [KB, N] (stride_bs_n == 1): a scalar base + constant offsets per step
-                sb_ptrs = b_scale_ptr + n0
-                col_offs = gl.arange(0, BLOCK_N, layout=col_layout)
-                col_ok = (n0 + col_offs) < N
-            # the first step's scales; each step then loads the next one's while its wgmma runs
-            kb = k_begin // BLOCK_K
-            has_step = k_begin < k_end
-            sa = gl.load(sa_ptrs + kb * stride_as_k, mask=row_ok & has_step, other=0.0)
-            sb = _load_sb(sb_ptrs, kb, stride_bs_k, col_offs, col_ok & has_step, SCALAR_SB)
+            else:  # per-column scales, [KB, N padded] (stride_bs_n == 1): the tile's columns of row kb
+                sb_ptrs = b_scale_ptr + n0 + gl.arange(0, BLOCK_N, layout=col_layout)
             acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for k in range(k_begin, k_end, BLOCK_K):
                 slot = count % STAGES
@@ -179,10 +163,11 @@ if gluon_common.GLUON:
                 a = a_bufs.index(slot).slice(CONSUMER * HALF_M, HALF_M)
                 b = b_bufs.index(slot).permute((1, 0))
                 part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
-                kb_next = k // BLOCK_K + 1
-                more = k + BLOCK_K < k_end
-                sa_next = gl.load(sa_ptrs + kb_next * stride_as_k, mask=row_ok & more, other=0.0)
-                sb_next = _load_sb(sb_ptrs, kb_next, stride_bs_k, col_offs, col_ok & more, SCALAR_SB)
+                # this step's scales load while its wgmma runs (a load one step ahead would carry them in
+                # registers across the loop, a register copy per scale and step)
+                kb = k // BLOCK_K
+                sa = gl.load(sa_ptrs + kb * stride_as_k)
+                sb = gl.load(sb_ptrs + kb * stride_bs_k)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(slot))  # the slot is free before the promotion runs
                 if SCALAR_SB:
@@ -190,8 +175,6 @@ if gluon_common.GLUON:
                 else:
                     scale = sa[:, None] * sb[None, :]
                 acc = gl.fma(part, scale, acc)
-                sa = sa_next
-                sb = sb_next
                 count += 1
 
             out_rows_ids = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
@@ -255,12 +238,12 @@ if gluon_common.GLUON:
 
 
 def _launch(a2d, b2d, a_scale, b_scale, out, schedule: Schedule, *, segment: str, m: int, n: int, k: int,
-            b_scale_strides: tuple, b_scale_group: int, out_strides: tuple, num_tiles_max: int, config: Fp8Config):
+            a_scale_strides: tuple, b_scale_strides: tuple, b_scale_group: int, out_strides: tuple, num_tiles_max: int, config: Fp8Config):
     num_programs = max(1, min(common.num_sms(a2d.device.index), num_tiles_max))
     _fp8_kernel[(num_programs,)](
         _descriptor(a2d, [BLOCK_M, BLOCK_K]), _descriptor(b2d, [config.block_n, BLOCK_K]), a_scale, b_scale, out,
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, m, n, k,
-        a_scale.stride(0), a_scale.stride(1), *b_scale_strides, *out_strides,
+        *a_scale_strides, *b_scale_strides, *out_strides,
         SEGMENT=segment, B_SCALE_GROUP=b_scale_group, EPI_SPLIT=config.epi_split, GROUP_M=config.group_m,
         STAGES=config.stages, NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_REGS=40, num_warps=4,
         maxnreg=168)
@@ -275,8 +258,8 @@ def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, conf
         return out
     num_tiles_max = (num_rows // BLOCK_M) * triton.cdiv(n, config.block_n)
     _launch(a_data, b_data.view(num_experts * n, k), a_scale, b_scale, out, schedule, segment="rows", m=num_rows,
-            n=n, k=k, b_scale_strides=tuple(b_scale.stride()), b_scale_group=128, out_strides=(0, out.stride(0)),
-            num_tiles_max=num_tiles_max, config=config)
+            n=n, k=k, a_scale_strides=tuple(a_scale.stride()), b_scale_strides=tuple(b_scale.stride()),
+            b_scale_group=128, out_strides=(0, out.stride(0)), num_tiles_max=num_tiles_max, config=config)
     return out
 
 
@@ -288,10 +271,20 @@ def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, confi
     if out.numel() == 0:
         return out
     num_tiles_max = schedule.num_experts * triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
-    # the per-row b scales as [R/128, N] rows (a view, no copy, where they are already column-major), so a
-    # K step's scales for a tile are one contiguous run: loaded from one base without a pointer per column
-    b_scale_t = b_scale.t().contiguous()
-    _launch(a_data, b_data, a_scale, b_scale_t, out, schedule, segment="k", m=m, n=n, k=num_rows,
-            b_scale_strides=(0, 1, b_scale_t.stride(0)), b_scale_group=1,
-            out_strides=(out.stride(0), out.stride(1)), num_tiles_max=num_tiles_max, config=config)
+    # both operands' per-row scales as [R/128, rows padded to whole tiles] (zeros past M and N), so a K step's
+    # scales for a tile are one contiguous run and the kernel loads them without masks
+    a_scale_t = _scales_by_step(a_scale, BLOCK_M)
+    b_scale_t = _scales_by_step(b_scale, config.block_n)
+    _launch(a_data, b_data, a_scale_t, b_scale_t, out, schedule, segment="k", m=m, n=n, k=num_rows,
+            a_scale_strides=(1, a_scale_t.stride(0)), b_scale_strides=(0, 1, b_scale_t.stride(0)),
+            b_scale_group=1, out_strides=(out.stride(0), out.stride(1)), num_tiles_max=num_tiles_max,
+            config=config)
+    return out
+
+
+def _scales_by_step(scale, tile: int):
+    """scale fp32 [M, KB] -> [KB, M rounded up to a multiple of tile], zeros past M."""
+    rows, steps = scale.shape
+    out = scale.new_zeros(steps, triton.cdiv(rows, tile) * tile)
+    out[:, :rows] = scale.t()
     return out
