@@ -118,6 +118,18 @@ def test_bench_layer_tiny(tmp_path):
         assert r["rel_err"] < 3e-2 and r["soak_s"] == 0.1 and r["settings"] is None
 
 
+def test_bench_fused_forward_tiny(tmp_path):
+    """bench_fused_forward.py --tiny: the staged and the fused forward GEMMs (the interpreter on the CPU), each fused
+    minibatch bit for bit the staged, all timed and recorded."""
+    out = tmp_path / "records.json"
+    run_script(os.path.join(BENCHMARKS, "bench_fused_forward.py"), "--tiny", "--shapes", "tiny-b", "--minibatches",
+               "mok,all", "--iters", "1", "--warmup", "0", "--soak", "0", "--out", str(out))
+    records = json.load(open(out))
+    assert [(r["impl"], r["minibatch"]) for r in records] == [("staged", None), ("fused", "mok"), ("fused", "all")]
+    for r in records:
+        assert r["error"] is None and r["bitwise_equal"] and r["ms"] > 0 and r["gather"] == "excluded", r
+
+
 def test_bench_layer_tiny_variant(tmp_path):
     """bench_layer.py --variant: serval with the variant's Config (here its kernels, in the interpreter), recorded
     as "serval (NAME)" with its settings, checked and timed like the others."""

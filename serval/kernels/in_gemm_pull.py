@@ -72,16 +72,27 @@ MAX_SPINS = tl.constexpr(1 << 23)
 
 
 @triton.jit
-def wait_for_rows(flag_ptr, epoch, m_tile):
-    """Wait (bounded) until a communication program has published M-tile m_tile of this call.
+def wait_until(flag_ptr, target, tile, MESSAGE: tl.constexpr, PRINT: tl.constexpr):
+    """Wait (bounded) until the int32 flag at flag_ptr holds at least `target` (an acquire: what was stored before
+    the release that made it so is visible after); past MAX_SPINS trap, with PRINT printing MESSAGE and `tile` first.
 
     The int32 atomic_add of 0 is an acquire load of the flag (Triton compiles it to ld.acquire.gpu), not an
-    accumulation: no floating-point value is ever summed atomically."""
+    accumulation: no floating-point value is ever summed atomically. The print is a printf, a function call, and a
+    call anywhere in a kernel makes ptxas serialize every wgmma of it (sm_90a: "C7510 ... wgmma pipeline crossing
+    function boundary at a function call"): a kernel that must keep its wgmma pipelined passes PRINT=False (and
+    only traps). Also `fused_forward`'s wait for h."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
-    while (seen < epoch) & (spins < MAX_SPINS):
+    while (seen < target) & (spins < MAX_SPINS):
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
-    if seen < epoch:
-        tl.device_print("serval: timed out waiting for the pulled rows of M-tile ", m_tile)
+    if seen < target:
+        if PRINT:
+            tl.device_print(MESSAGE, tile)
         tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_for_rows(flag_ptr, epoch, m_tile):
+    """Wait (bounded) until a communication program has published M-tile m_tile of this call."""
+    wait_until(flag_ptr, epoch, m_tile, "serval: timed out waiting for the pulled rows of M-tile ", True)

@@ -37,6 +37,10 @@ specialises each use:
   buffers and publish each with a flag the compute programs wait for (`in_gemm_pull`).
 * UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set there only).
 
+One output tile's work, its K loop and epilogue, is `_gemm_tile` (with `_descriptors`, the tensor descriptors it
+uses): the persistent loop below calls it per tile, and so does the fused forward (`fused_forward`), for the two
+forward variants, so that both compute every element with the same code.
+
 Persistent: the grid is one program per SM (fewer when the capacity has fewer tiles); program p takes
 tiles p, p + NUM_PROGRAMS, ... of the used tiles only. The used-tile count is read on the device
 (expert_offsets[E] // BLOCK_M): no host sync, idle capacity costs nothing. Tiles are visited GROUP_M
@@ -165,6 +169,160 @@ def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c
     return d_rw_part
 
 
+# ---------------------------------------------------------------- one output tile (shared with fused_forward)
+
+
+@triton.jit
+def _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr, num_experts, N_OUT, K,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_N: tl.constexpr,
+                 W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr, PUSH: tl.constexpr,
+                 USE_TMA: tl.constexpr):
+    """(a0, a1, w0, w1, c0, c1, h): the tensor descriptors `_gemm_tile` reads and writes through with USE_TMA (the
+    plain pointers where a variant uses none, and on the pointer path, where they are unused placeholders)."""
+    if USE_TMA:
+        if W_NK:
+            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
+                                                block_shape=[1, BLOCK_N, BLOCK_K])
+            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
+                                                block_shape=[1, BLOCK_N, BLOCK_K])
+        else:
+            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
+                                                block_shape=[1, BLOCK_K, BLOCK_N])
+            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
+                                                block_shape=[1, BLOCK_K, BLOCK_N])
+        # the second half of a split-K A (and of every [R, 2 N_OUT] tensor) is its own descriptor, so that
+        # TMA bounds each half at its own last column (the host checks the halves are 16-byte aligned)
+        a0_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, K], strides=[stride_a, 1],
+                                            block_shape=[BLOCK_M, BLOCK_K])
+        if K_SPLIT:
+            a1_desc = tl.make_tensor_descriptor(a_ptr + K, shape=[num_rows, K], strides=[stride_a, 1],
+                                                block_shape=[BLOCK_M, BLOCK_K])
+        else:
+            a1_desc = a0_desc
+        if EPILOGUE == "swiglu_fwd" or PUSH:  # c is the packed gate_up, or the peers' slots: pointer stores only
+            c0_desc = c_ptr
+        else:
+            c0_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, N_OUT], strides=[stride_c, 1],
+                                                block_shape=[BLOCK_M, EPI_N])
+        if EPILOGUE == "swiglu_bwd":
+            c1_desc = tl.make_tensor_descriptor(c_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[stride_c, 1],
+                                                block_shape=[BLOCK_M, EPI_N])
+        else:
+            c1_desc = c0_desc
+        if EPILOGUE != "store":
+            h_desc = tl.make_tensor_descriptor(h_ptr, shape=[num_rows, N_OUT], strides=[N_OUT, 1],
+                                               block_shape=[BLOCK_M, EPI_N])
+        else:
+            h_desc = c0_desc
+    else:  # pointer path: the "descriptors" are unused placeholders
+        w0_desc = w0_ptr
+        w1_desc = w1_ptr
+        a0_desc = a_ptr
+        a1_desc = a_ptr
+        c0_desc = c_ptr
+        c1_desc = c_ptr
+        h_desc = h_ptr
+    return a0_desc, a1_desc, w0_desc, w1_desc, c0_desc, c1_desc, h_desc
+
+
+@triton.jit
+def _gemm_tile(
+    descs, m_tile, n_tile, num_n_tiles,
+    a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
+    tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
+    packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, N_OUT, K, swiglu_limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EPI_SPLIT: tl.constexpr, EPI_TMA_STORES: tl.constexpr,
+    PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
+):
+    """One output tile (m_tile, n_tile) of a `_grouped_gemm_kernel` variant: its K loop and its epilogue. `descs`:
+    `_descriptors` of the same variant. The arguments are the kernel's (see there); EPI_TMA_STORES here is already
+    USE_TMA and the config's choice. Inlined by the compiler into every kernel that calls it: the persistent
+    grouped GEMM below and `fused_forward`."""
+    a0_desc, a1_desc, w0_desc, w1_desc, c0_desc, c1_desc, h_desc = descs
+    DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
+    EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
+    dtype = w0_ptr.dtype.element_ty
+    m0 = m_tile * BLOCK_M
+    n0 = n_tile * BLOCK_N
+    expert = tl.load(tile_expert_ptr + m0 // sched_block_m)
+    rows = m0 + tl.arange(0, BLOCK_M)
+
+    # per-row A addresses for the pointer path
+    a_row_valid = rows < num_rows
+    a_row_ptrs = a_ptr + rows.to(tl.int64) * stride_a
+
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = _load_a(a0_desc, a_row_ptrs, a_row_valid, m0, k, 0, K, BLOCK_K, USE_TMA)
+        b = _load_w(w0_desc, w0_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+        acc0 = _mma(a, b, acc0, UPCAST)
+        if DUAL:
+            b1 = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+            acc1 = _mma(a, b1, acc1, UPCAST)
+    if K_SPLIT:  # the same accumulator continues over A's second K columns against w1
+        for k in range(0, K, BLOCK_K):
+            a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, K, K, BLOCK_K, USE_TMA)
+            b = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+            acc0 = _mma(a, b, acc0, UPCAST)
+
+    # ------------------------------------------------ epilogues, EPI_SPLIT column chunks at a time
+    # (smaller store staging in shared memory; for swiglu_bwd, fewer live fp32 temporaries: unsplit it spilled)
+    chunks0 = _column_chunks(acc0, BLOCK_M, BLOCK_N, EPI_SPLIT)
+    if EPILOGUE == "store" and PUSH:
+        source = tl.load(row_source_ptr + rows).to(tl.int64)
+        valid = source >= 0
+        slot_rows = peers.peer_rows(push_table_ptr, tl.where(valid, source, 0), valid, slots_per_rank, N_OUT,
+                                     1, False, PUSH_ALIGNED, dtype)
+        for c in tl.static_range(EPI_SPLIT):
+            cols = n0 + c * EPI_N + tl.arange(0, EPI_N)
+            tl.store(slot_rows[:, None] + cols[None, :], chunks0[c].to(dtype),
+                     mask=valid[:, None] & (cols < N_OUT)[None, :])
+    elif EPILOGUE == "store":
+        for c in tl.static_range(EPI_SPLIT):
+            _store_tile(c0_desc, c_ptr, stride_c, chunks0[c].to(dtype), m0, n0 + c * EPI_N, N_OUT,
+                        BLOCK_M, EPI_N, EPI_TMA_STORES)
+
+    elif EPILOGUE == "swiglu_fwd":
+        chunks1 = _column_chunks(acc1, BLOCK_M, BLOCK_N, EPI_SPLIT)
+        packed = tl.load(packed_ptr + rows)
+        for c in tl.static_range(EPI_SPLIT):
+            # gate_up is stored rounded (packed: kept for backward); h is computed from the rounded
+            # values, as the torch stage does
+            gate = chunks0[c].to(dtype)
+            up = chunks1[c].to(dtype)
+            ptrs, mask = _packed_tile_ptrs(c_ptr, packed, n0 + c * EPI_N, N_OUT, EPI_N)
+            tl.store(ptrs, gate, mask=mask)
+            tl.store(ptrs + N_OUT, up, mask=mask)
+            h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT)
+            _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
+                        EPI_TMA_STORES)
+
+    else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e], the unscaled d_h
+        source = tl.load(row_source_ptr + rows)
+        rw = tl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
+        # the packed gate/up of chunk c + 1 is loaded before chunk c is computed: the loads stay in
+        # flight meanwhile; padding rows read zeros
+        packed = tl.load(packed_ptr + rows)
+        ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0, N_OUT, EPI_N)
+        g_next = tl.load(ptrs, mask=mask, other=0.0)
+        u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
+        d_rw_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for c in tl.static_range(EPI_SPLIT):  # the row partials are added in column order
+            gate = g_next
+            up = u_next
+            if c + 1 < EPI_SPLIT:
+                ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0 + (c + 1) * EPI_N, N_OUT, EPI_N)
+                g_next = tl.load(ptrs, mask=mask, other=0.0)
+                u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
+            d_rw_part += _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT,
+                                           c0_desc, c1_desc, h_desc, c_ptr, stride_c, h_ptr, swiglu_limit,
+                                           BLOCK_M, EPI_N, HAS_LIMIT, EPI_TMA_STORES)
+        tl.store(d_rw_partial_ptr + rows.to(tl.int64) * num_n_tiles + n_tile, d_rw_part)
+
+
 # ---------------------------------------------------------------- the kernel
 
 
@@ -194,60 +352,16 @@ def _grouped_gemm_kernel(
     EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
     PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr, PULL_BLOCK_C: tl.constexpr, PROXY_FENCE: tl.constexpr,
 ):
-    DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
-    SWIGLU: tl.constexpr = EPILOGUE != "store"  # outputs c and h are [*, 2 N_OUT] and [R, N_OUT]
     EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
     EPI_TMA_STORES: tl.constexpr = USE_TMA and EPI_TMA_STORES_CFG
-    dtype = w0_ptr.dtype.element_ty
 
     # used tiles only: the count lives on the device, no host sync
     num_m_tiles = tl.load(expert_offsets_ptr + num_experts) // BLOCK_M
     num_n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     num_tiles = num_m_tiles * num_n_tiles
 
-    if USE_TMA:
-        if W_NK:
-            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
-                                                block_shape=[1, BLOCK_N, BLOCK_K])
-            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
-                                                block_shape=[1, BLOCK_N, BLOCK_K])
-        else:
-            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
-                                                block_shape=[1, BLOCK_K, BLOCK_N])
-            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
-                                                block_shape=[1, BLOCK_K, BLOCK_N])
-        # the second half of a split-K A (and of every [R, 2 N_OUT] tensor) is its own descriptor, so that
-        # TMA bounds each half at its own last column (the host checks the halves are 16-byte aligned)
-        a0_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, K], strides=[stride_a, 1],
-                                            block_shape=[BLOCK_M, BLOCK_K])
-        if K_SPLIT:
-            a1_desc = tl.make_tensor_descriptor(a_ptr + K, shape=[num_rows, K], strides=[stride_a, 1],
-                                                block_shape=[BLOCK_M, BLOCK_K])
-        else:
-            a1_desc = a0_desc
-        if DUAL or PUSH:  # c is the packed gate_up, or the peers' slots: pointer stores only
-            c0_desc = c_ptr
-        else:
-            c0_desc = tl.make_tensor_descriptor(c_ptr, shape=[num_rows, N_OUT], strides=[stride_c, 1],
-                                                block_shape=[BLOCK_M, EPI_N])
-        if EPILOGUE == "swiglu_bwd":
-            c1_desc = tl.make_tensor_descriptor(c_ptr + N_OUT, shape=[num_rows, N_OUT], strides=[stride_c, 1],
-                                                block_shape=[BLOCK_M, EPI_N])
-        else:
-            c1_desc = c0_desc
-        if SWIGLU:
-            h_desc = tl.make_tensor_descriptor(h_ptr, shape=[num_rows, N_OUT], strides=[N_OUT, 1],
-                                               block_shape=[BLOCK_M, EPI_N])
-        else:
-            h_desc = c0_desc
-    else:  # pointer path: the "descriptors" are unused placeholders
-        w0_desc = w0_ptr
-        w1_desc = w1_ptr
-        a0_desc = a_ptr
-        a1_desc = a_ptr
-        c0_desc = c_ptr
-        c1_desc = c_ptr
-        h_desc = h_ptr
+    descs = _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr, num_experts, N_OUT, K,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EPI_N, W_NK, K_SPLIT, EPILOGUE, PUSH, USE_TMA)
 
     first_tile = tl.program_id(0)
     if PULL_PROGRAMS > 0:
@@ -259,85 +373,14 @@ def _grouped_gemm_kernel(
         first_tile = tl.where(tl.program_id(0) < PULL_PROGRAMS, num_tiles, tl.program_id(0) - PULL_PROGRAMS)
     for tile_id in tl.range(first_tile, num_tiles, NUM_PROGRAMS - PULL_PROGRAMS, flatten=FLATTEN):
         m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
-        m0 = m_tile * BLOCK_M
-        n0 = n_tile * BLOCK_N
         if PULL_PROGRAMS > 0:
             in_gemm_pull.wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile)
-        expert = tl.load(tile_expert_ptr + m0 // sched_block_m)
-        rows = m0 + tl.arange(0, BLOCK_M)
-
-        # per-row A addresses for the pointer path
-        a_row_valid = rows < num_rows
-        a_row_ptrs = a_ptr + rows.to(tl.int64) * stride_a
-
-        acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = _load_a(a0_desc, a_row_ptrs, a_row_valid, m0, k, 0, K, BLOCK_K, USE_TMA)
-            b = _load_w(w0_desc, w0_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
-            acc0 = _mma(a, b, acc0, UPCAST)
-            if DUAL:
-                b1 = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
-                acc1 = _mma(a, b1, acc1, UPCAST)
-        if K_SPLIT:  # the same accumulator continues over A's second K columns against w1
-            for k in range(0, K, BLOCK_K):
-                a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, K, K, BLOCK_K, USE_TMA)
-                b = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
-                acc0 = _mma(a, b, acc0, UPCAST)
-
-        # ------------------------------------------------ epilogues, EPI_SPLIT column chunks at a time
-        # (smaller store staging in shared memory; for swiglu_bwd, fewer live fp32 temporaries: unsplit it spilled)
-        chunks0 = _column_chunks(acc0, BLOCK_M, BLOCK_N, EPI_SPLIT)
-        if EPILOGUE == "store" and PUSH:
-            source = tl.load(row_source_ptr + rows).to(tl.int64)
-            valid = source >= 0
-            slot_rows = peers.peer_rows(push_table_ptr, tl.where(valid, source, 0), valid, slots_per_rank, N_OUT,
-                                         1, False, PUSH_ALIGNED, dtype)
-            for c in tl.static_range(EPI_SPLIT):
-                cols = n0 + c * EPI_N + tl.arange(0, EPI_N)
-                tl.store(slot_rows[:, None] + cols[None, :], chunks0[c].to(dtype),
-                         mask=valid[:, None] & (cols < N_OUT)[None, :])
-        elif EPILOGUE == "store":
-            for c in tl.static_range(EPI_SPLIT):
-                _store_tile(c0_desc, c_ptr, stride_c, chunks0[c].to(dtype), m0, n0 + c * EPI_N, N_OUT,
-                            BLOCK_M, EPI_N, EPI_TMA_STORES)
-
-        elif EPILOGUE == "swiglu_fwd":
-            chunks1 = _column_chunks(acc1, BLOCK_M, BLOCK_N, EPI_SPLIT)
-            packed = tl.load(packed_ptr + rows)
-            for c in tl.static_range(EPI_SPLIT):
-                # gate_up is stored rounded (packed: kept for backward); h is computed from the rounded
-                # values, as the torch stage does
-                gate = chunks0[c].to(dtype)
-                up = chunks1[c].to(dtype)
-                ptrs, mask = _packed_tile_ptrs(c_ptr, packed, n0 + c * EPI_N, N_OUT, EPI_N)
-                tl.store(ptrs, gate, mask=mask)
-                tl.store(ptrs + N_OUT, up, mask=mask)
-                h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT)
-                _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
-                            EPI_TMA_STORES)
-
-        else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e], the unscaled d_h
-            source = tl.load(row_source_ptr + rows)
-            rw = tl.load(router_weights_ptr + source, mask=source >= 0, other=0.0)
-            # the packed gate/up of chunk c + 1 is loaded before chunk c is computed: the loads stay in
-            # flight meanwhile; padding rows read zeros
-            packed = tl.load(packed_ptr + rows)
-            ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0, N_OUT, EPI_N)
-            g_next = tl.load(ptrs, mask=mask, other=0.0)
-            u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
-            d_rw_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for c in tl.static_range(EPI_SPLIT):  # the row partials are added in column order
-                gate = g_next
-                up = u_next
-                if c + 1 < EPI_SPLIT:
-                    ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0 + (c + 1) * EPI_N, N_OUT, EPI_N)
-                    g_next = tl.load(ptrs, mask=mask, other=0.0)
-                    u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
-                d_rw_part += _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT,
-                                               c0_desc, c1_desc, h_desc, c_ptr, stride_c, h_ptr, swiglu_limit,
-                                               BLOCK_M, EPI_N, HAS_LIMIT, EPI_TMA_STORES)
-            tl.store(d_rw_partial_ptr + rows.to(tl.int64) * num_n_tiles + n_tile, d_rw_part)
+        _gemm_tile(descs, m_tile, n_tile, num_n_tiles,
+                   a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
+                   tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
+                   packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, N_OUT, K, swiglu_limit,
+                   BLOCK_M, BLOCK_N, BLOCK_K, W_NK, K_SPLIT, EPILOGUE, HAS_LIMIT, USE_TMA, UPCAST, EPI_SPLIT,
+                   EPI_TMA_STORES, PUSH, PUSH_ALIGNED)
 
 
 @triton.jit
