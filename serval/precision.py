@@ -29,9 +29,6 @@ rows unscaled and applies the router weight r in its epilogue, as BF16 does, so 
 
 Kept for backward (`Kept`): the gate/up pre-activations quantized along 2I in packed rows, and h quantized
 along tokens; x along tokens is rebuilt in backward from x (the same bits, H bytes per row not kept).
-fp8_blockwise quantizes h (both copies), the kept pre-activations and d_gate_up (both copies) in its SwiGLU
-row passes (`swiglu_quantized`, `swiglu_backward_quantized`): the same bits as quantizing their bf16 outputs,
-without passes of their own.
 At EP the rows are pulled in bf16 and quantized after the pull, as MoK does; the quantized values are
 then those of EP=1.
 """
@@ -46,7 +43,7 @@ import torch
 
 from . import stages
 from .ops import QuantizedTensor, dequantize, quantize
-from .schedule import Schedule
+from .schedule import Schedule, packed_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +171,12 @@ def _row_slice(q: QuantizedTensor, start: int, length: int) -> QuantizedTensor:
     return q._replace(data=q.data.narrow(0, start, length), scale=q.scale.narrow(0, start, length))
 
 
+def _packed(q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
+    """The packed rows (`serval.schedule.packed_rows`) of a row-quantized [R, C] tensor."""
+    index = packed_rows(schedule)
+    return q._replace(data=q.data.view(torch.uint8)[index].view(q.data.dtype), scale=q.scale[index])
+
+
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit):
     """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
     at EP (quantized after the pull), None at EP=1, where the tokens are quantized once and their rows
@@ -182,21 +185,22 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
         gate_up_rows = ops.fp8_grouped_gemm(x_q, _gate_up_weights(recipe, w_gate, w_up, 2), schedule)
-        # one pass: h along I (the down GEMM's operand) and along tokens, and the pre-activations kept packed
-        h_q, h_tokens, gate_up = ops.swiglu_quantized(gate_up_rows, schedule, swiglu_limit, h_rows=w_down is not None)
-        del gate_up_rows
-        kept = Kept(gate_up, h_tokens)
-        if w_down is None:
-            return None, kept
-        return ops.fp8_grouped_gemm(h_q, recipe.weight(w_down, 2), schedule), kept
-    # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
-    x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
-    gate_up, h = ops.gate_up_swiglu(x_deq, recipe.weight(w_gate, 2), recipe.weight(w_up, 2), schedule,
-                                    swiglu_limit, a_rows=None if x_rows is None else x_deq)
-    kept = Kept(recipe.rows(gate_up, keep=True)[0], recipe.tokens(h, keep=True)[0])
+        h = ops.swiglu(gate_up_rows, swiglu_limit)
+        gate_up = _packed(recipe.rows(gate_up_rows)[0], schedule)  # kept packed, as BF16 keeps it
+    else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
+        x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
+        gate_up, h = ops.gate_up_swiglu(x_deq, recipe.weight(w_gate, 2), recipe.weight(w_up, 2), schedule,
+                                        swiglu_limit, a_rows=None if x_rows is None else x_deq)
+        gate_up = recipe.rows(gate_up, keep=True)[0]
+    kept = Kept(gate_up, recipe.tokens(h, keep=True)[0])
     if w_down is None:
         return None, kept
-    return ops.down(recipe.rows(h)[1], recipe.weight(w_down, 2), schedule), kept
+    h_q, h_deq = recipe.rows(h)
+    if recipe.fp8_gemm:
+        out = ops.fp8_grouped_gemm(h_q, recipe.weight(w_down, 2), schedule)
+    else:
+        out = ops.down(h_deq, recipe.weight(w_down, 2), schedule)
+    return out, kept
 
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
@@ -217,26 +221,23 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
         d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, recipe.weight(w_down, 1), schedule)
-        del d_y_q
-        # one pass: d_gate_up along 2I (the dgrad's operand) and along tokens (the weight gradients')
-        d_gate_up_q, d_gate_up_tokens, d_rw_rows = ops.swiglu_backward_quantized(d_h_raw, kept.gate_up, schedule,
-                                                                                 row_rw, swiglu_limit)
-        del d_h_raw
-        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, _gate_up_weights(recipe, w_gate, w_up, 1), schedule)
-        del d_gate_up_q
+        d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw, swiglu_limit)
     else:
         d_y_deq = rows_quantized(d_y, d_y_rows, recipe.rows)[1]
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, recipe.weight(w_down, 1),
                                                         dequantize(kept.gate_up, dtype), router_weights,
                                                         schedule, swiglu_limit)
         del d_y_deq
-        d_x_rows = ops.gate_up_dgrad(recipe.rows(d_gate_up)[1], recipe.weight(w_gate, 1), recipe.weight(w_up, 1),
-                                     schedule)
-        d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
-        del d_gate_up
+    d_gate_up_q, d_gate_up_deq = recipe.rows(d_gate_up)
+    if recipe.fp8_gemm:
+        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, _gate_up_weights(recipe, w_gate, w_up, 1), schedule)
+    else:
+        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, recipe.weight(w_gate, 1), recipe.weight(w_up, 1), schedule)
+    del d_gate_up_q, d_gate_up_deq
     # weight gradients: operands along tokens
     d_y_tokens, d_y_tokens_deq = rows_quantized(d_y, d_y_rows,
                                                 lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
+    d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
     x_tokens, x_tokens_deq = rows_quantized(x, x_rows, recipe.tokens)
     if recipe.fp8_gemm:
         d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import QuantizedTensor, dequantize, quantize
+from .ops import QuantizedTensor, dequantize
 from .schedule import Schedule, packed_index, packed_rows
 
 
@@ -211,9 +211,6 @@ def down_weight_grad(d_y_rows, h_weighted, schedule: Schedule):
 
 # ---------------------------------------------------------------- block-scaled FP8 GEMMs (serval.precision)
 
-FP8_BLOCK = 128  # the fp8_blockwise recipe's activation blocks: 1 x 128 along a row, 128 x 1 along tokens
-
-
 def fp8_grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule) -> torch.Tensor:
     """out[r] = a[r] @ b[e(r)].T from block-scaled FP8 operands, a [R, K], b [E, N, K] (K-contiguous, as
     `serval.ops.quantize` stores them): dequantized to fp32 and multiplied in fp32; bf16 [R, N]."""
@@ -229,38 +226,6 @@ def swiglu_backward_fp8(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, r
     d_gate_up, _, d_rw_rows = swiglu_backward(d_h_raw, gate_up_rows, row_router_weights, swiglu_limit,
                                               torch.bfloat16)
     return d_gate_up, d_rw_rows
-
-
-def _blockwise(t: torch.Tensor, *, along_tokens: bool) -> QuantizedTensor:
-    """t [R, C] in the fp8_blockwise recipe's format (E4M3, fp32 scales): 1 x 128 blocks along C, [R, C]; or
-    128 x 1 blocks along tokens, stored [C, R] (a weight gradient's operand)."""
-    block = (FP8_BLOCK, 1) if along_tokens else (1, FP8_BLOCK)
-    return quantize(t, block=block, scale_format="fp32", transpose=along_tokens)[0]
-
-
-def swiglu_quantized(gate_up_rows: torch.Tensor, schedule: Schedule, swiglu_limit: float | None, *,
-                     h_rows: bool = True) -> tuple[QuantizedTensor | None, QuantizedTensor, QuantizedTensor]:
-    """The SwiGLU forward of the block-scaled FP8 path with its outputs in the fp8_blockwise format, from
-    gate_up_rows bf16 [R, 2I] (the gate/up GEMM's rows), h = `swiglu`'s bf16 h. Returns QuantizedTensors
-    (E4M3 data, fp32 scales): h along I, data [R, I] and scale [R, I/128] (the down GEMM's operand; None
-    without `h_rows`); h along tokens, data [I, R] and scale [I, ceil(R/128)] (the w_down gradient's); the
-    pre-activations along 2I in packed rows, data [num_packed, 2I] and scale [num_packed, 2I/128] (kept for
-    backward). The kernels make all three in one pass over gate_up_rows."""
-    h = swiglu(gate_up_rows, swiglu_limit)
-    kept = _blockwise(gate_up_rows, along_tokens=False)
-    index = packed_rows(schedule)
-    kept = kept._replace(data=kept.data.view(torch.uint8)[index].view(kept.data.dtype), scale=kept.scale[index])
-    return _blockwise(h, along_tokens=False) if h_rows else None, _blockwise(h, along_tokens=True), kept
-
-
-def swiglu_backward_quantized(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, row_router_weights,
-                              swiglu_limit: float | None):
-    """`swiglu_backward_fp8` with d_gate_up in the fp8_blockwise format (E4M3 data, fp32 scales): (d_gate_up
-    along 2I, data [R, 2I] and scale [R, 2I/128] (the gate/up dgrad's operand); d_gate_up along tokens, data
-    [2I, R] and scale [2I, ceil(R/128)] (the w_gate / w_up gradients'); d_rw_rows fp32 [R]). The kernels make
-    them in one pass, without the bf16 d_gate_up."""
-    d_gate_up, d_rw_rows = swiglu_backward_fp8(d_h_raw, gate_up, schedule, row_router_weights, swiglu_limit)
-    return _blockwise(d_gate_up, along_tokens=False), _blockwise(d_gate_up, along_tokens=True), d_rw_rows
 
 
 def fp8_weight_grad(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule) -> torch.Tensor:

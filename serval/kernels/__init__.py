@@ -14,8 +14,7 @@ One module per engine or job:
     quantize.py           FP8 quantization (serval.ops.quantize on the GPU)
     rows.py               gather, combine and slot sums (memory-bound row passes)
     swiglu.py             the SwiGLU math of every epilogue
-    swiglu_rows.py        the SwiGLU forward and backward as row passes (the FP8 path's GEMMs store plain rows),
-                          quantizing their outputs in the same pass
+    swiglu_rows.py        the SwiGLU forward and backward as row passes (the FP8 path's GEMMs store plain rows)
     common.py             interpreter, target, TMA allocator, SM count, output allocation, tile order
 """
 
@@ -61,8 +60,6 @@ class KernelStages:
     down_weight_grad = staticmethod(down_weight_grad)
     swiglu = staticmethod(swiglu_rows.swiglu)
     swiglu_backward_fp8 = staticmethod(swiglu_rows.swiglu_backward_fp8)
-    swiglu_quantized = staticmethod(swiglu_rows.swiglu_quantized)
-    swiglu_backward_quantized = staticmethod(swiglu_rows.swiglu_backward_quantized)
 
     def gate_up_swiglu(self, *args, **kwargs):
         return gemm_stages.gate_up_swiglu(*args, plan=self.plan, **kwargs)

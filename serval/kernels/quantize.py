@@ -3,11 +3,9 @@ memory-bound Triton kernels.
 
 Each program takes one 2-D tile of one source matrix (the batch index E is grid axis 1) whose extent along a
 blocked dimension equals the block size, so every block lies whole in one tile and its amax is one reduction
-(no reshapes): (1, B) blocks use tiles [TR, B], (B, 1) tiles [B, TC], (B, B) tiles [B, B]. Constexpr
-variants: block shape, scale format (E8M0 byte or fp32), transposed store (the tile is `tl.trans`-ed in
-registers so that both the load and the store run along contiguous rows), a per-row scale, and the
-dequantized output. The rule on one such tile is `quantize_tile`, which the kernels that quantize their own
-outputs (`swiglu_rows`) call too: one copy of the rule.
+(no reshapes): (1, B) blocks use tiles [TR, B], (B, 1) tiles [B, TC], (B, B) tiles [B, B]. Constexpr variants:
+block shape, scale format (E8M0 byte or fp32), transposed store (the tile is `tl.trans`-ed in registers so
+that both the load and the store run along contiguous rows), a per-row scale, and the dequantized output.
 
 The numerics are the rule in `serval.ops` (its docstring), done with explicit bit arithmetic wherever a cast
 would round differently under the interpreter than on the GPU, so that the interpreter tests check the code
@@ -35,7 +33,7 @@ def _round_bf16(x):
 
 
 @triton.jit
-def bf16_to_f32(x):
+def _bf16_to_f32(x):
     """bf16 -> fp32 by bits (the interpreter's cast loses bf16 subnormals; on the GPU it is this shift)."""
     return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
@@ -60,47 +58,6 @@ def _round_e4m3(q):
     r = (a + magic) - magic
     sign = q.to(tl.int32, bitcast=True) & (-2147483647 - 1)
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def quantize_tile(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE: tl.constexpr):
-    """Steps 2-5 of the rule on an fp32 tile x [TILE_R, TILE_C] holding step 1's values, every block whole in
-    the tile (a (1, B) block: TILE_C == B; (B, 1): TILE_R == B; (B, B): both), so that a block's amax is one
-    reduction. Every kernel that quantizes calls it: the same bits everywhere.
-
-    Returns (byte uint8 [TILE_R, TILE_C]: the E4M3 codes, 0x7F in a NaN block; stored_scale per block, fp32
-    or the E8M0 byte, [TILE_R, 1] / [1, TILE_C] / [1, 1] for (1, B) / (B, 1) / (B, B); r fp32
-    [TILE_R, TILE_C]: the E4M3 values; factor per block: the fp32 scale, or the int32 exponent e (e8m0);
-    bad per block: a NaN or Inf in it)."""
-    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    if BLOCK_R == 1:
-        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
-    elif BLOCK_C == 1:
-        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
-    else:
-        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
-    bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
-
-    if FP32_SCALE:
-        amax = amax_bits.to(tl.float32, bitcast=True)
-        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-        scale = tl.where(bad, float("nan"), scale)
-        q = tl.math.div_rn(x, scale)
-        stored_scale = scale
-        factor = scale
-    else:
-        # e = ceil(log2(amax / 448)) exactly: amax = m * 2^p, m in [0.5, 1) -> e = p - 9 + (m > 0.875);
-        # from the fields: p = biased - 126, m > 0.875 <=> mantissa field > 0x600000. Zero and tiny -> -127.
-        biased = amax_bits >> 23
-        exp = tl.maximum(biased - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -127)
-        exp = tl.where(bad, 0, exp)  # any finite value: the block is written as NaN below
-        q = x * ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2^-exp, exact (exp <= 120)
-        stored_scale = tl.where(bad, 255, exp + 127).to(tl.uint8)
-        factor = exp
-    r = _round_e4m3(q)
-    byte = tl.where(bad, 0x7F, r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
-    return byte, stored_scale, r, factor, bad
 
 
 @triton.jit
@@ -129,7 +86,7 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
         x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :] * stride_tc,
                     mask=mask, other=0.0)
     if x.dtype == tl.bfloat16:
-        x = bf16_to_f32(x)
+        x = _bf16_to_f32(x)
     else:
         x = x.to(tl.float32)
     if HAS_ROW_SCALE:
@@ -137,7 +94,32 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
     if ROUND_INPUT:
         x = _round_bf16(x)
 
-    byte, stored_scale, r, factor, bad = quantize_tile(x, BLOCK_R, BLOCK_C, FP32_SCALE)
+    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if BLOCK_R == 1:
+        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
+    elif BLOCK_C == 1:
+        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
+    else:
+        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
+    bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
+
+    if FP32_SCALE:
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+        scale = tl.where(bad, float("nan"), scale)
+        q = tl.math.div_rn(x, scale)
+        stored_scale = scale
+    else:
+        # e = ceil(log2(amax / 448)) exactly: amax = m * 2^p, m in [0.5, 1) -> e = p - 9 + (m > 0.875);
+        # from the fields: p = biased - 126, m > 0.875 <=> mantissa field > 0x600000. Zero and tiny -> -127.
+        biased = amax_bits >> 23
+        exp = tl.maximum(biased - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -127)
+        exp = tl.where(bad, 0, exp)  # any finite value: the block is written as NaN below
+        q = x * ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2^-exp, exact (exp <= 120)
+        stored_scale = tl.where(bad, 255, exp + 127).to(tl.uint8)
+    r = _round_e4m3(q)
+    byte = tl.where(bad, 0x7F, r.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
 
     out_rows = tile_r * SR + tl.arange(0, SR)
     out_cols = tile_c * SC + tl.arange(0, SC)
@@ -155,10 +137,10 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
 
     if DEQUANTIZED:
         if FP32_SCALE:
-            deq = r * factor  # fp32 out
+            deq = r * scale  # fp32 out
         else:
-            # 2^e (e = -127: the subnormal 2^-127, bits 0x400000); r * 2^e is exact in fp32, rounded once to bf16
-            pow2 = tl.where(factor > -127, (factor + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+            # 2^exp (exp = -127: the subnormal 2^-127, bits 0x400000); r * 2^exp is exact in fp32, rounded once to bf16
+            pow2 = tl.where(exp > -127, (exp + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
             deq = _round_bf16(r * pow2)
         deq = tl.where(bad, float("nan"), deq)
         if not FP32_SCALE:
