@@ -153,21 +153,30 @@ def test_task_order_small_example():
                                          (D, 2, 0)]  # DN(1)
 
 
-def test_task_order_is_each_gemms_staged_order():
-    """Restricted to one GEMM, the order is that GEMM's staged launch with GROUP_M = the minibatch's M-tiles."""
+@pytest.mark.parametrize("group_m", [None, 1, 2, 4])
+def test_task_order_is_each_gemms_staged_order(group_m):
+    """Restricted to one GEMM, the order is that GEMM's staged launch with GROUP_M = group_m (default: the
+    minibatch's M-tiles)."""
     num_m, n_gu, n_dn, mb = 11, 3, 2, 4
-    order = ff.task_order(num_m, n_gu, n_dn, mb)
+    order = ff.task_order(num_m, n_gu, n_dn, mb, group_m)
+    check_order(order, num_m, n_gu, n_dn, mb)
+    group = group_m or mb
     for gemm, n in ((ff.GATE_UP, n_gu), (ff.DOWN, n_dn)):
-        assert [t[1:] for t in order if t[0] == gemm] == [ff._tile_coords(i, num_m, n, mb) for i in range(num_m * n)]
+        assert [t[1:] for t in order if t[0] == gemm] == [ff._tile_coords(i, num_m, n, group) for i in range(num_m * n)]
 
 
 @pytest.mark.parametrize("num_m, n_gu, n_dn, mb", [s for s in ORDER_SIZES if s[0] * (s[1] + s[2]) <= 120])
 def test_device_decode_matches_task_order(num_m, n_gu, n_dn, mb):
     """The kernel's decode of a task id (`_task_coords`, run in a kernel) gives `task_order`'s entry."""
-    assert ff.device_task_order(num_m, n_gu, n_dn, mb, DEVICE) == ff.task_order(num_m, n_gu, n_dn, mb)
+    assert ff.device_task_order(num_m, n_gu, n_dn, mb, device=DEVICE) == ff.task_order(num_m, n_gu, n_dn, mb)
+    group = 2 if mb % 2 == 0 else 1
+    assert (ff.device_task_order(num_m, n_gu, n_dn, mb, group, device=DEVICE)
+            == ff.task_order(num_m, n_gu, n_dn, mb, group))
 
 
 def test_task_order_errors():
+    with pytest.raises(ValueError, match="group_m"):
+        ff.task_order(9, 2, 2, 4, 3)  # minibatches of 4 M-tiles would not start on groups of 3
     with pytest.raises(ValueError, match="minibatch_m_tiles"):
         ff.task_order(3, 2, 2, 0)
     with pytest.raises(ValueError, match="n_tiles_down"):

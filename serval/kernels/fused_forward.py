@@ -15,13 +15,15 @@ minibatch b's gate/up tiles, DN(b) its down tiles, and the task order is
     GU(0), GU(1), DN(0), GU(2), DN(1), ..., GU(nb - 1), DN(nb - 2), DN(nb - 1)
 
 so a down tile depends only on earlier tasks, and, one minibatch of gate/up work having run in between, usually
-finds its h ready. Within GU(b) / DN(b) the tiles are in the staged kernel's order with GROUP_M = MB
-(`common.tile_coords` on the GEMM's own tile numbering): each GEMM's tiles are taken in exactly the order of its
-staged launch grouped by minibatch, and the fused order interleaves the two sequences minibatch by minibatch.
+finds its h ready. Within GU(b) / DN(b) the tiles are in the staged kernel's order with GROUP_M = the gate/up
+config's group_m (at most MB; MB is rounded up to a multiple of it, so minibatches start on M-group boundaries;
+`common.tile_coords` on the GEMM's own tile numbering): each GEMM's tiles are taken in exactly the order of its
+staged launch with that M-group, and the fused order interleaves the two sequences minibatch by minibatch.
 
 Counter. Programs take task ids from an int32 counter with `tl.atomic_add` (integer atomics only; nothing
-floating-point is ever accumulated atomically): a program takes an id, runs that task, takes the next, and stops at
-the first id past the last task (so each launch draws exactly tasks + programs ids).
+floating-point is ever accumulated atomically): a program holds two ids, the task it runs and the next one, taken
+when the task starts so that the counter's round trip overlaps it; it stops at the first id past the last task
+(a launch draws at most tasks + 2 * programs ids).
 
 Flags. A gate/up tile, once its gate_up and h columns are stored (pointer stores), fences them for the async proxy
 (down reads h through TMA), waits for its warps (`tl.debug_barrier`) and adds 1 to its M-tile's int32 flag with
@@ -39,18 +41,19 @@ the counter and the flags restart from zero every other launch (a launch draws f
 host) and only the epoch's parity matters (`epoch & 1` stays right when the int32 epoch wraps). One `Sync` serves one
 stream: launches that share it must run one after another (no programmatic dependent launch, no second stream).
 
-Deadlock freedom. Ids are taken in increasing order, and a task waits only on earlier tasks (a down tile of M-tile m
-on gate/up tiles of m, all earlier in the order), which were therefore already taken by programs that are running;
-gate/up tasks never wait. By induction on the id, the earliest unfinished task never waits on anything, so the
-launch progresses whether or not every program is resident. In Triton's CPU interpreter programs run one after
+Deadlock freedom. Ids are handed out in increasing order, and a task waits only on earlier tasks (a down tile of
+M-tile m on gate/up tiles of m, all earlier in the order); gate/up tasks never wait. A program's next id is larger
+than its current one and becomes current as soon as the current finishes, so the earliest unfinished task is always
+some program's current task, and everything it waits on is earlier, hence finished: it completes, and by induction
+the launch progresses whether or not every program is resident. In Triton's CPU interpreter programs run one after
 another: program 0 takes every task in order (so no wait ever blocks) and the others find the counter exhausted.
 
 Constraints: both TileConfigs must give the same BLOCK_M (min(block_m, schedule.block_m)); one launch has one
 num_warps and num_stages, the gate/up config's (the down tiles compile with them: checked for the plan's Hopper
 tiles, 128 x 128 x 64 dual-accumulator gate/up and 128 x 256 x 64 down, 8 warps, 3 stages). The gate/up tiles store
 h with pointer stores whatever `epi_tma_stores` says (their release then covers them with one proxy fence); the
-down tiles follow their config. `flatten` and `group_m` of either config do not apply (the task loop is a while loop
-over ids; the minibatch is the M-group). Operands: bf16, fp16 or fp32, one dtype, as the staged GEMM.
+down tiles follow their config. `flatten` of either config and the down config's `group_m` do not apply (the
+task loop is a while loop over ids; one M-group serves both GEMMs). Operands: bf16, fp16 or fp32, one dtype, as the staged GEMM.
 """
 
 from __future__ import annotations
@@ -83,24 +86,29 @@ def _tile_coords(tile_id: int, num_m_tiles: int, num_n_tiles: int, group_m: int)
     return first_m + (tile_id % tiles_per_group) % group_size, (tile_id % tiles_per_group) // group_size
 
 
-def task_order(num_m_tiles: int, n_tiles_gate_up: int, n_tiles_down: int,
-               minibatch_m_tiles: int) -> list[tuple[int, int, int]]:
+def task_order(num_m_tiles: int, n_tiles_gate_up: int, n_tiles_down: int, minibatch_m_tiles: int,
+               group_m: int | None = None) -> list[tuple[int, int, int]]:
     """The fused forward's tasks in the order programs take them: [(gemm, m_tile, n_tile)], gemm GATE_UP or DOWN.
 
     GU(0), GU(1), DN(0), GU(2), DN(1), ..., GU(nb - 1), DN(nb - 2), DN(nb - 1), where GU(b) / DN(b) are the gate/up
     and down tiles of minibatch b (M-tiles [b * MB, min((b + 1) * MB, num_m_tiles)), MB = minibatch_m_tiles), each
-    in its GEMM's staged tile order with GROUP_M = MB. `_task_coords` decodes a task id to the same triple."""
+    in its GEMM's staged tile order with GROUP_M = group_m (default MB; MB must be a multiple of it unless one
+    minibatch holds every M-tile). `_task_coords` decodes a task id to the same triple."""
     for name, value in (("num_m_tiles", num_m_tiles), ("n_tiles_gate_up", n_tiles_gate_up),
                         ("n_tiles_down", n_tiles_down), ("minibatch_m_tiles", minibatch_m_tiles)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "num_m_tiles" else 1):
             raise ValueError(f"task_order: {name} must be an int >= {0 if name == 'num_m_tiles' else 1}, got {value!r}")
     mb = minibatch_m_tiles
+    group = mb if group_m is None else group_m
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1 or (mb % group and mb < num_m_tiles):
+        raise ValueError(f"task_order: group_m must be an int >= 1 dividing minibatch_m_tiles={mb} (unless one "
+                         f"minibatch holds all {num_m_tiles} M-tiles), got {group_m!r}")
     num_minibatches = -(-num_m_tiles // mb)
 
     def tiles(gemm, b):
         n = n_tiles_gate_up if gemm == GATE_UP else n_tiles_down
         size = min(num_m_tiles - b * mb, mb)
-        return [(gemm, *_tile_coords(b * mb * n + i, num_m_tiles, n, mb)) for i in range(size * n)]
+        return [(gemm, *_tile_coords(b * mb * n + i, num_m_tiles, n, group)) for i in range(size * n)]
 
     if num_minibatches == 0:
         return []
@@ -111,7 +119,7 @@ def task_order(num_m_tiles: int, n_tiles_gate_up: int, n_tiles_down: int,
 
 
 @triton.jit
-def _task_coords(task, num_m_tiles, n_gu, n_dn, MB: tl.constexpr):
+def _task_coords(task, num_m_tiles, n_gu, n_dn, MB: tl.constexpr, GROUP_M: tl.constexpr):
     """(is_down, m_tile, n_tile) of task id `task` < num_m_tiles * (n_gu + n_dn): `task_order`'s entry `task`."""
     num_minibatches = tl.cdiv(num_m_tiles, MB)
     first_len = n_gu * tl.minimum(num_m_tiles, MB)  # GU(0)
@@ -131,26 +139,27 @@ def _task_coords(task, num_m_tiles, n_gu, n_dn, MB: tl.constexpr):
                      tl.where(num_minibatches == 1, u,
                               tl.where(r < gu_len, r, tl.where(after_pairs, r - gu_len - MB * n_dn, r - gu_len))))
     n_tiles = tl.where(is_down, n_dn, n_gu)
-    m_tile, n_tile = common.tile_coords(minibatch * MB * n_tiles + local, num_m_tiles, n_tiles, MB)
+    m_tile, n_tile = common.tile_coords(minibatch * MB * n_tiles + local, num_m_tiles, n_tiles, GROUP_M)
     return is_down, m_tile, n_tile
 
 
 @triton.jit
-def _task_order_kernel(out_ptr, num_m_tiles, n_gu, n_dn, MB: tl.constexpr):
+def _task_order_kernel(out_ptr, num_m_tiles, n_gu, n_dn, MB: tl.constexpr, GROUP_M: tl.constexpr):
     """Testing: out[t] = (is_down, m_tile, n_tile) of every task id t, as the fused kernel decodes it."""
     for task in range(0, num_m_tiles * (n_gu + n_dn)):
-        is_down, m_tile, n_tile = _task_coords(task, num_m_tiles, n_gu, n_dn, MB)
+        is_down, m_tile, n_tile = _task_coords(task, num_m_tiles, n_gu, n_dn, MB, GROUP_M)
         tl.store(out_ptr + 3 * task, is_down.to(tl.int32))
         tl.store(out_ptr + 3 * task + 1, m_tile)
         tl.store(out_ptr + 3 * task + 2, n_tile)
 
 
 def device_task_order(num_m_tiles: int, n_tiles_gate_up: int, n_tiles_down: int, minibatch_m_tiles: int,
-                      device="cpu") -> list[tuple[int, int, int]]:
+                      group_m: int | None = None, device="cpu") -> list[tuple[int, int, int]]:
     """`task_order` as the kernel decodes it on the device (`_task_coords`): for tests."""
     num_tasks = num_m_tiles * (n_tiles_gate_up + n_tiles_down)
     out = torch.full((max(num_tasks, 1), 3), -1, dtype=torch.int32, device=device)
-    _task_order_kernel[(1,)](out, num_m_tiles, n_tiles_gate_up, n_tiles_down, MB=minibatch_m_tiles)
+    _task_order_kernel[(1,)](out, num_m_tiles, n_tiles_gate_up, n_tiles_down, MB=minibatch_m_tiles,
+                             GROUP_M=minibatch_m_tiles if group_m is None else group_m)
     return [tuple(row) for row in out[:num_tasks].tolist()]
 
 
@@ -170,7 +179,7 @@ def _fused_forward_kernel(
     counters_ptr, flags_ptr, num_flags, epoch_ptr,
     BLOCK_M: tl.constexpr, GU_BLOCK_N: tl.constexpr, GU_BLOCK_K: tl.constexpr, GU_EPI_SPLIT: tl.constexpr,
     DN_BLOCK_N: tl.constexpr, DN_BLOCK_K: tl.constexpr, DN_EPI_SPLIT: tl.constexpr, DN_EPI_TMA_STORES: tl.constexpr,
-    MB: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    MB: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PROXY_FENCE: tl.constexpr,
     PRINT_TIMEOUTS: tl.constexpr,
 ):
@@ -201,7 +210,10 @@ def _fused_forward_kernel(
 
     task = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
     while task < num_tasks:
-        is_down, m_tile, n_tile = _task_coords(task, num_m_tiles, n_gu, n_dn, MB)
+        # the next id is taken now, so the counter's round trip runs under this task (ids stay increasing per
+        # program: the earliest unfinished task is always some program's current one, so no wait can deadlock)
+        next_task = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+        is_down, m_tile, n_tile = _task_coords(task, num_m_tiles, n_gu, n_dn, MB, GROUP_M)
         if is_down:
             # h of this M-tile: every gate/up N-tile has stored its columns (acquire)
             in_gemm_pull.wait_until(flags + m_tile, n_gu, m_tile,
@@ -224,7 +236,7 @@ def _fused_forward_kernel(
                                           pack=1)
             tl.debug_barrier()  # every warp's stores are done before the release
             tl.atomic_add(flags + m_tile, 1, sem="release", scope="gpu")
-        task = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+        task = next_task
 
 
 # ---------------------------------------------------------------- host side
@@ -349,10 +361,14 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     n_dn = triton.cdiv(hidden, down_tiles.block_n)
     max_tasks = capacity_m_tiles * (n_gu + n_dn)
     num_programs = max(1, min(common.num_sms(device.index), max_tasks))
-    if max_tasks + num_programs >= 2**31:
+    if max_tasks + 2 * num_programs >= 2**31:
         raise ValueError(f"fused_forward: {max_tasks} tasks do not fit the int32 task counter")
     mb = minibatch_m_tiles(minibatch_rows, hidden, inter, block_m, capacity_m_tiles, gate_up_tiles.block_n,
                            down_tiles.block_n, device)
+    # the staged launch's M-group inside each minibatch (weight and row tiles shared in L2 by the programs working
+    # at once); minibatches start on group boundaries
+    group_m = min(gate_up_tiles.group_m, mb)
+    mb = min(-(-mb // group_m) * group_m, max(capacity_m_tiles, 1))
     sync.epoch.add_(1)
     _fused_forward_kernel[(num_programs,)](
         a_rows, schedule.capacity, schedule.row_source, schedule.tile_expert, schedule.expert_offsets,
@@ -363,7 +379,7 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
         BLOCK_M=block_m, GU_BLOCK_N=gate_up_tiles.block_n, GU_BLOCK_K=gate_up_tiles.block_k,
         GU_EPI_SPLIT=gate_up_tiles.epi_split, DN_BLOCK_N=down_tiles.block_n, DN_BLOCK_K=down_tiles.block_k,
         DN_EPI_SPLIT=down_tiles.epi_split, DN_EPI_TMA_STORES=down_tiles.epi_tma_stores,
-        MB=mb, NUM_PROGRAMS=num_programs,
+        MB=mb, GROUP_M=group_m, NUM_PROGRAMS=num_programs,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET,
         PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=debug_waits or common.INTERPRET,
         num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages,
