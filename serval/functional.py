@@ -357,6 +357,27 @@ def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_lim
     return (gate_up, h, *_shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit))
 
 
+def _fused_experts(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace):
+    """gate_up, h and the combine's (rows, schedule) of the routed experts from one launch (`gate_up_down`,
+    KernelPlan.fused_forward). At EP its programs pull x's rows from the owners, compute, and push o's rows
+    into the owners' slots: the launch runs inside both transport phases (slots free, tokens published)."""
+    transport = _transport(workspace)
+    if transport is None:
+        gate_up, h, o = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit)
+        return gate_up, h, o, schedule
+    made = {}
+
+    def write(target):
+        def consume(source):
+            made["gate_up"], made["h"], _ = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit,
+                                                             pull_from=source, pull_flags=workspace.pull_flags,
+                                                             push_to=target)
+        transport.pull_into(consume, x)
+
+    slots = transport.push_from(write, w_down.shape[1], x.dtype)
+    return made["gate_up"], made["h"], slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)
+
+
 def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=None, *,
             config: Config | None = None, swiglu_limit: float | None = None,
             shared_schedule: Schedule | None = None, workspace: Workspace | None = None,
@@ -373,7 +394,13 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     if shared is not None:
         shared_schedule = shared_schedule or dense_schedule(x.shape[0], schedule.block_m, x.device)
     shared_out = None
-    if recipe is None:
+    fused = recipe is None and getattr(ops, "fuses_forward", False)
+    if fused:
+        gate_up, h, token_rows, token_schedule = _fused_experts(ops, x, w_gate, w_up, w_down, schedule,
+                                                                swiglu_limit, workspace)
+        shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
+        kept = None
+    elif recipe is None:
         gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
                                                         swiglu_limit, workspace)
         kept = None
@@ -387,10 +414,10 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
     if shared is not None:
         shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
-    if recipe is None:
+    if recipe is None and not fused:
         token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
                                                w_down.shape[1], h.dtype, schedule, transport)
-    else:
+    elif recipe is not None:
         token_rows, token_schedule = _rows_out(out, schedule, transport)
     y = ops.combine(token_rows, router_weights, token_schedule, shared_out)
     keep = not config.recompute

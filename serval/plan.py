@@ -93,6 +93,11 @@ class KernelPlan:
     programs, the rows whose every output tile the compute programs take before the next rows' (the tile
     order's M-group, so one minibatch computes while the next arrives); None: MoK's rule, two full waves of
     tiles on the compute SMs (`serval.overlap.layer_minibatch_rows`).
+    `fused_forward`: in bf16 the forward's routed gate/up and down GEMMs run as one persistent launch
+    (`serval.kernels.fused_forward`, the Triton tiles above, minibatch_rows its task order's minibatch); at EP
+    its first `pull_programs` programs (at least one) pull x's rows and its down tiles push o's rows into the
+    owners' slots: dispatch, experts and combine in one launch. Off: measured slower than the staged launches at
+    EP=1 (docs/reports/2026-12-02-fp8-wgrad-fusion-fused-forward.md); not measured at EP.
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"
@@ -111,6 +116,7 @@ class KernelPlan:
     dgrad_pull_programs: int = 0
     pull_block_c: int = 256
     minibatch_rows: int | None = None
+    fused_forward: bool = False
 
     def __post_init__(self):
         engines = {"gate_up_engine": ("triton", "cooperative"), "down_engine": ("triton", "cooperative"),
@@ -125,6 +131,8 @@ class KernelPlan:
         if self.minibatch_rows is not None and (not isinstance(self.minibatch_rows, int)
                                                 or isinstance(self.minibatch_rows, bool) or self.minibatch_rows < 1):
             raise ValueError(f"KernelPlan.minibatch_rows must be None or an int >= 1, got {self.minibatch_rows!r}")
+        if not isinstance(self.fused_forward, bool):
+            raise ValueError(f"KernelPlan.fused_forward must be a bool, got {self.fused_forward!r}")
 
     def tiles(self, stage: str) -> TileConfig:
         """The Triton GEMM's tiles for one of STAGES."""

@@ -6,6 +6,7 @@ are BITWISE equal to the EP=1 layer on the concatenated batch (row order and red
 depend on P), that two runs are identical, and that a routing beyond the capacity is a clear error.
 """
 
+import dataclasses
 import datetime
 import os
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import serval
+from serval.plan import choose_plan
 from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
 
 N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
@@ -35,7 +37,7 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
 
 
 def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs,
-           precision="bf16", inter=I):
+           precision="bf16", inter=I, fused_forward=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
@@ -56,9 +58,15 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         block_m = 128 if device == "cuda" or precision != "bf16" else 16
         # pull_programs: the gate/up GEMM and the down dgrad pull their own rows with that many programs (same
         # results)
+        # fused_forward: the forward's dispatch, routed GEMMs and combine in one launch (KernelPlan.fused_forward)
+        plan = None
+        if fused_forward:
+            from serval.kernels import common
+            plan = dataclasses.replace(choose_plan(x.shape[1], x.dtype, common.target()), fused_forward=True)
         config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier,
                                comm_sms_forward=pull_programs or None, comm_sms_backward=pull_programs or None,
-                               minibatch_size=2 * block_m if pull_programs else None, precision=precision)
+                               minibatch_size=2 * block_m if pull_programs else None, precision=precision,
+                               kernel_plan=plan)
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         if capacity_multiplier < world_size and kind == "skewed":
             if device == "cuda":  # no sync: the step is NaN, a later call raises
@@ -144,11 +152,11 @@ def misuse_worker(rank, world_size, init_file, scenario):
 
 
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
-        pull_programs=0, precision="bf16", inter=I):
+        pull_programs=0, precision="bf16", inter=I, fused_forward=False):
     """pull_programs: Config.comm_sms_forward and comm_sms_backward in the ranks (the gate/up GEMM and the down
-    dgrad pulling their own rows)."""
+    dgrad pulling their own rows). fused_forward: the forward in one launch (KernelPlan.fused_forward)."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
-                           pull_programs, precision, inter), nprocs=world_size, join=True)
+                           pull_programs, precision, inter, fused_forward), nprocs=world_size, join=True)
 
 
 def push_worker(rank, world_size, init_file):
@@ -207,6 +215,21 @@ def test_ep_capacity_overflow_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("pull_programs", [0, 2])
 def test_ep_triton_kernels_in_interpreter(pull_programs, tmp_path):
     run(2, tmp_path, backend="triton", pull_programs=pull_programs)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
+def test_ep_fused_forward_in_interpreter(tmp_path):
+    """The forward's pull, routed GEMMs and combine push in one launch (KernelPlan.fused_forward, 2 pull
+    programs): bitwise equal to EP=1 (whose forward is the staged kernels)."""
+    run(2, tmp_path, backend="triton", pull_programs=2, fused_forward=True)
+
+
+@requires_cuda
+def test_ep_fused_forward_on_one_gpu(tmp_path, monkeypatch):
+    """The fused forward (KernelPlan.fused_forward, 8 pull programs) on the CUDA path: bitwise equal to EP=1."""
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, fused_forward=True)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")

@@ -417,3 +417,35 @@ def test_gpu_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise(captured, eager)
+
+
+# ---------------------------------------------------------------- in the layer (KernelPlan.fused_forward)
+
+
+@pytest.mark.parametrize("kind", ["random", "empty"])
+def test_layer_with_the_fused_forward_equals_the_staged_layer(kind):
+    """serval.moe with KernelPlan.fused_forward (the forward's routed GEMMs in one launch; the shared expert and
+    the backward as before): y and every gradient bit for bit the staged kernels' (EP=1)."""
+    import dataclasses
+
+    import serval
+    from conftest import make_layer, make_routing
+    from serval.plan import choose_plan
+
+    num_tokens, hidden, inter, num_experts, top_k = 40, 48, 32, 5, 2
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x, weights, shared = make_layer(num_tokens, hidden, inter, num_experts, shared_inter=inter, device=DEVICE,
+                                    dtype=dtype)
+    router_weights, topk_ids = make_routing(num_tokens, num_experts, top_k, kind=kind, device=DEVICE)
+    d_y = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    staged_plan = choose_plan(hidden, dtype, common.target())
+
+    def step(plan):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, router_weights, *weights, *shared)]
+        config = serval.Config(block_m=16 if not CUDA else 128, backend="triton", kernel_plan=plan)
+        y = serval.moe(leaves[0], leaves[1], topk_ids, *leaves[2:5], tuple(leaves[5:]), config=config)
+        return (y.detach(), *torch.autograd.grad(y, leaves, d_y))
+
+    fused_out = step(dataclasses.replace(staged_plan, fused_forward=True))
+    for got, want in zip(fused_out, step(staged_plan)):
+        assert torch.equal(got, want)

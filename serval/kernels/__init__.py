@@ -50,6 +50,11 @@ class KernelStages:
         return self.plan.pull_programs > 0
 
     @property
+    def fuses_forward(self) -> bool:
+        """Whether the forward's routed GEMMs run as one launch (`gate_up_down`, KernelPlan.fused_forward)."""
+        return self.plan.fused_forward
+
+    @property
     def pulls_in_dgrad(self) -> bool:
         """Whether down_dgrad_swiglu pulls d_y's rows from the EP owners' buffers itself (`pull_from`)."""
         return self.plan.dgrad_pull_programs > 0
@@ -67,6 +72,9 @@ class KernelStages:
 
     def down(self, *args, **kwargs):
         return gemm_stages.down(*args, plan=self.plan, **kwargs)
+
+    def gate_up_down(self, *args, **kwargs):
+        return gemm_stages.gate_up_down(*args, plan=self.plan, **kwargs)
 
     def down_dgrad_swiglu(self, *args, **kwargs):
         return gemm_stages.down_dgrad_swiglu(*args, plan=self.plan, **kwargs)

@@ -66,6 +66,7 @@ import triton.language as tl
 
 from ..overlap import layer_minibatch_rows
 from ..plan import TileConfig
+from ..peers import PeerSlots
 from ..schedule import Schedule, packed_index
 from . import common, in_gemm_pull
 from .triton_gemm import _check, _descriptors, _gemm_tile, _tma_compatible
@@ -177,11 +178,16 @@ def _fused_forward_kernel(
     HIDDEN, INTER, swiglu_limit,
     # Sync: counters int32 [2], flags int32 [2, num_flags], epoch int32 [1]
     counters_ptr, flags_ptr, num_flags, epoch_ptr,
+    # PULL_PROGRAMS (EP): the owners' token buffers (an int64 address per rank), flags per M-tile, the epoch
+    top_k, pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr,
+    # PUSH (EP): the owners' slot buffers [slots_per_rank, H] (an int64 address per rank)
+    push_table_ptr, push_slots_per_rank,
     BLOCK_M: tl.constexpr, GU_BLOCK_N: tl.constexpr, GU_BLOCK_K: tl.constexpr, GU_EPI_SPLIT: tl.constexpr,
     DN_BLOCK_N: tl.constexpr, DN_BLOCK_K: tl.constexpr, DN_EPI_SPLIT: tl.constexpr, DN_EPI_TMA_STORES: tl.constexpr,
     MB: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PROXY_FENCE: tl.constexpr,
-    PRINT_TIMEOUTS: tl.constexpr,
+    PRINT_TIMEOUTS: tl.constexpr, PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr,
+    PULL_BLOCK_C: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     parity = tl.load(epoch_ptr) & 1
@@ -206,9 +212,20 @@ def _fused_forward_kernel(
                             True, False, "swiglu_fwd", False, USE_TMA)
     dn_descs = _descriptors(h_ptr, INTER, num_rows, w_down_ptr, w_down_ptr, o_ptr, HIDDEN, o_ptr,
                             num_experts, HIDDEN, INTER, BLOCK_M, DN_BLOCK_N, DN_BLOCK_K, DN_BLOCK_N // DN_EPI_SPLIT,
-                            True, False, "store", False, USE_TMA)
+                            True, False, "store", PUSH, USE_TMA)
 
-    task = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+    if PULL_PROGRAMS > 0:  # EP: the first programs pull x's rows, M-tile by M-tile, in the order tasks need them
+        pull_epoch = tl.load(pull_epoch_ptr)
+        if pid < PULL_PROGRAMS:
+            in_gemm_pull.pull_tiles(pull_table_ptr, row_source_ptr, a_ptr, HIDDEN, pull_flags_ptr, pull_epoch,
+                                    num_m_tiles, pull_slots_per_rank, top_k, HIDDEN, BLOCK_M, PULL_BLOCK_C,
+                                    PULL_PROGRAMS, PULL_ALIGNED, PROXY_FENCE)
+    else:
+        pull_epoch = 0
+    # pull programs take no task ids: they start past the last one
+    task = num_tasks
+    if pid >= PULL_PROGRAMS:
+        task = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
     while task < num_tasks:
         # the next id is taken now, so the counter's round trip runs under this task (ids stay increasing per
         # program: the earliest unfinished task is always some program's current one, so no wait can deadlock)
@@ -219,12 +236,16 @@ def _fused_forward_kernel(
             in_gemm_pull.wait_until(flags + m_tile, n_gu, m_tile,
                                     "serval: fused forward timed out waiting for the h of M-tile ", PRINT_TIMEOUTS)
             _gemm_tile(dn_descs, m_tile, n_tile, n_dn,
-                       h_ptr, INTER, num_rows, row_source_ptr, o_ptr, 0,
+                       h_ptr, INTER, num_rows, row_source_ptr, push_table_ptr, push_slots_per_rank,
                        tile_expert_ptr, sched_block_m, w_down_ptr, w_down_ptr, o_ptr, HIDDEN, o_ptr,
                        packed_ptr, o_ptr, o_ptr, o_ptr, HIDDEN, INTER, swiglu_limit,
                        BLOCK_M, DN_BLOCK_N, DN_BLOCK_K, True, False, "store", HAS_LIMIT, USE_TMA, UPCAST,
-                       DN_EPI_SPLIT, USE_TMA and DN_EPI_TMA_STORES, False, False)
+                       DN_EPI_SPLIT, USE_TMA and DN_EPI_TMA_STORES, PUSH, PUSH_ALIGNED)
         else:
+            if PULL_PROGRAMS > 0:  # x's rows of this M-tile have been pulled (acquire)
+                in_gemm_pull.wait_until(pull_flags_ptr + m_tile, pull_epoch, m_tile,
+                                        "serval: fused forward timed out waiting for the pulled rows of M-tile ",
+                                        PRINT_TIMEOUTS)
             _gemm_tile(gu_descs, m_tile, n_tile, n_gu,
                        a_ptr, HIDDEN, num_rows, row_source_ptr, o_ptr, 0,
                        tile_expert_ptr, sched_block_m, w_gate_ptr, w_up_ptr, gate_up_ptr, 2 * INTER, h_ptr,
@@ -263,11 +284,13 @@ def new_sync(num_m_tiles: int, device) -> Sync:
 
 
 def minibatch_m_tiles(minibatch_rows: int | None, hidden: int, inter: int, block_m: int, capacity_m_tiles: int,
-                      gate_up_block_n: int, down_block_n: int, device) -> int:
-    """M-tiles per minibatch: minibatch_rows // block_m (at least 1), or with None MoK's rule on all the SMs
-    (`serval.overlap.layer_minibatch_rows` on these tiles); at most the capacity's M-tiles (one minibatch)."""
+                      gate_up_block_n: int, down_block_n: int, device, pull_programs: int = 0) -> int:
+    """M-tiles per minibatch: minibatch_rows // block_m (at least 1), or with None MoK's rule on the SMs that
+    compute (all but the pull programs; `serval.overlap.layer_minibatch_rows` on these tiles); at most the
+    capacity's M-tiles (one minibatch)."""
     if minibatch_rows is None:
-        minibatch_rows = layer_minibatch_rows(hidden, inter, common.num_sms(device.index), block_m,
+        compute_sms = max(1, common.num_sms(device.index) - pull_programs)
+        minibatch_rows = layer_minibatch_rows(hidden, inter, compute_sms, block_m,
                                               gate_up_tile_n=gate_up_block_n, down_tile_n=down_block_n)
     return max(1, min(minibatch_rows // block_m, capacity_m_tiles))
 
@@ -296,7 +319,8 @@ def _check_sync(sync, num_m_tiles: int, device) -> None:
 
 def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   schedule: Schedule, swiglu_limit: float | None, gate_up_tiles: TileConfig, down_tiles: TileConfig,
-                  use_tma: bool, minibatch_rows: int | None, sync: Sync, *, debug_waits: bool = False):
+                  use_tma: bool, minibatch_rows: int | None, sync: Sync, *, pull: in_gemm_pull.Pull | None = None,
+                  push_to: PeerSlots | None = None, debug_waits: bool = False):
     """Gate/up + SwiGLU and down in one persistent launch: (gate_up, h, o), bit for bit
     `triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, gate_up_tiles, use_tma)` followed by
     `triton_gemm.down(h, w_down, schedule, down_tiles, use_tma)`.
@@ -310,8 +334,16 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     debug_waits: a down tile whose wait times out prints its M-tile before it traps; without, it only traps (the
     printf is a call, which makes ptxas serialize every wgmma of the kernel: see `in_gemm_pull.wait_until`).
 
+    At expert parallelism, the dispatch and the combine join the launch. pull: the first `pull.programs`
+    programs pull x's rows from the owners' token buffers into a_rows (then a contiguous buffer whose contents are
+    not read before), M-tile by M-tile, publishing each with a flag the gate/up tiles wait for (`in_gemm_pull`);
+    they take no tasks. push_to: each down row goes straight into its owner's slot row_source[r], as
+    `triton_gemm.down(..., push_to=)` writes it, and o is not made. The launch then holds every SM (the pull
+    programs must run beside the compute programs).
+
     Returns gate_up [num_packed, 2I] (packed rows, kept for backward), h = SwiGLU(gate, up) [R, I] and
-    o = h @ w_down[e].T [R, H], in the operands' dtype; rows past the used M-tiles are not written.
+    o = h @ w_down[e].T [R, H] (None with push_to), in the operands' dtype; rows past the used M-tiles are not
+    written.
     """
     _check(a_rows, w_gate, w_up, w_down)
     for name, t in (("a_rows", a_rows), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
@@ -347,11 +379,23 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     capacity_m_tiles = schedule.capacity // block_m
     _check_sync(sync, capacity_m_tiles, a_rows.device)
 
+    if pull is not None:
+        if not a_rows.is_contiguous():
+            raise ValueError("fused_forward: with pull, a_rows is the buffer the pull fills: it must be contiguous")
+        if pull.source.cols != hidden or pull.source.dtype != a_rows.dtype:
+            raise ValueError(f"fused_forward: pull.source holds [{pull.source.cols}] {pull.source.dtype} tokens, "
+                             f"a_rows [{hidden}] {a_rows.dtype} rows")
+        if pull.flags.numel() < capacity_m_tiles or pull.programs < 1:
+            raise ValueError(f"fused_forward: pull needs programs >= 1 and a flag per M-tile ({capacity_m_tiles}), "
+                             f"got {pull.programs} programs and {pull.flags.numel()} flags")
+    if push_to is not None and (push_to.cols != hidden or push_to.dtype != a_rows.dtype):
+        raise ValueError(f"fused_forward: push_to holds [{push_to.cols}] {push_to.dtype} slots, o has [{hidden}] "
+                         f"{a_rows.dtype} rows")
     a_rows, w_gate, w_up, w_down = a_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     dtype, device = a_rows.dtype, a_rows.device
     gate_up = common.empty((schedule.num_packed, 2 * inter), dtype, device)
     h = common.empty((schedule.capacity, inter), dtype, device)
-    o = common.empty((schedule.capacity, hidden), dtype, device)
+    o = common.empty((schedule.capacity, hidden), dtype, device) if push_to is None else h  # h: a placeholder
     if use_tma:
         use_tma = _tma_compatible((w_gate, 0), (w_up, 0), (w_down, 0), (a_rows, 0), (h, 0), (o, 0))
     if use_tma and not common.INTERPRET:
@@ -361,10 +405,18 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     n_dn = triton.cdiv(hidden, down_tiles.block_n)
     max_tasks = capacity_m_tiles * (n_gu + n_dn)
     num_programs = max(1, min(common.num_sms(device.index), max_tasks))
+    pull_programs, pull_args, pull_block_c = 0, (0, h, 0, h, h), 16
+    if pull is not None:
+        num_programs = common.num_sms(device.index)  # every program resident at once, the pull programs first
+        pull_programs = max(1, min(pull.programs, num_programs - 1))
+        pull.epoch.add_(1)
+        pull_args = (pull.source.top_k, pull.source.table, pull.source.num_tokens * pull.source.top_k, pull.flags,
+                     pull.epoch)
+        pull_block_c = min(pull.block_c, triton.next_power_of_2(hidden))
     if max_tasks + 2 * num_programs >= 2**31:
         raise ValueError(f"fused_forward: {max_tasks} tasks do not fit the int32 task counter")
     mb = minibatch_m_tiles(minibatch_rows, hidden, inter, block_m, capacity_m_tiles, gate_up_tiles.block_n,
-                           down_tiles.block_n, device)
+                           down_tiles.block_n, device, pull_programs)
     # the staged launch's M-group inside each minibatch (weight and row tiles shared in L2 by the programs working
     # at once); minibatches start on group boundaries
     group_m = min(gate_up_tiles.group_m, mb)
@@ -376,12 +428,15 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
         w_gate, w_up, w_down, gate_up, h, o,
         hidden, inter, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         sync.counters, sync.flags, sync.flags.shape[1], sync.epoch,
+        *pull_args, push_to.table if push_to is not None else h, push_to.num_slots if push_to is not None else 0,
         BLOCK_M=block_m, GU_BLOCK_N=gate_up_tiles.block_n, GU_BLOCK_K=gate_up_tiles.block_k,
         GU_EPI_SPLIT=gate_up_tiles.epi_split, DN_BLOCK_N=down_tiles.block_n, DN_BLOCK_K=down_tiles.block_k,
         DN_EPI_SPLIT=down_tiles.epi_split, DN_EPI_TMA_STORES=down_tiles.epi_tma_stores,
         MB=mb, GROUP_M=group_m, NUM_PROGRAMS=num_programs,
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET,
         PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=debug_waits or common.INTERPRET,
+        PULL_PROGRAMS=pull_programs, PULL_ALIGNED=pull is not None and pull.source.aligned, PULL_BLOCK_C=pull_block_c,
+        PUSH=push_to is not None, PUSH_ALIGNED=push_to is not None and push_to.aligned,
         num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages,
     )
-    return gate_up, h, o
+    return gate_up, h, (o if push_to is None else None)

@@ -19,7 +19,7 @@ from ..overlap import layer_minibatch_rows
 from ..peers import PeerSlots, PeerTokens
 from ..plan import KernelPlan, TileConfig
 from ..schedule import Schedule
-from . import common, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
+from . import common, fused_forward, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
 from .rows import gather as gather_rows
 
 
@@ -71,6 +71,30 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
         a_rows = gather_rows(x, schedule)
     return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, plan.gate_up_tiles,
                                       plan.use_tma)
+
+
+def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: float | None, *, plan: KernelPlan,
+                 pull_from: PeerTokens | None = None, pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 push_to: PeerSlots | None = None):
+    """The forward's routed GEMMs in one persistent launch (`fused_forward`, plan.fused_forward): gate_up
+    [num_packed, 2I], h [R, I] and o [R, H] (None with push_to), bit for bit `gate_up_swiglu` then `down`.
+
+    x [N, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]. At EP=1 x's rows are gathered first. pull_from (EP): the
+    owners' token buffers, pulled by plan.pull_programs programs of the launch (`pull_flags` as gate_up_swiglu's);
+    push_to (EP): the owners' slot buffers, which the down tiles write o's rows into."""
+    hidden, inter = w_gate.shape[2], w_gate.shape[1]
+    pull = None
+    if pull_from is not None:
+        a_rows = common.empty((schedule.capacity, hidden), x.dtype, x.device)
+        pull, _ = _in_gemm_pull(plan, plan.pull_programs, plan.gate_up_tiles, pull_from, pull_flags, a_rows,
+                                schedule, hidden, inter)
+    else:
+        a_rows = gather_rows(x, schedule)
+    block_m = min(plan.gate_up_tiles.block_m, schedule.block_m)
+    sync = fused_forward.new_sync(schedule.capacity // block_m, x.device)  # zeros: three small fills, no sync
+    return fused_forward.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit, plan.gate_up_tiles,
+                                       plan.down_tiles, plan.use_tma, plan.minibatch_rows, sync, pull=pull,
+                                       push_to=push_to)
 
 
 def down(h, w_down, schedule: Schedule, *, plan: KernelPlan, push_to: PeerSlots | None = None):
