@@ -38,10 +38,10 @@ TILES = TileConfig(BLOCK_M, 32, 32, group_m=2)
 
 # (tokens, slots, experts, how topk_ids are drawn)
 ROUTINGS = {
-    "random": (150, 2, 5, "random"),
-    "empty_experts": (120, 2, 6, "two_experts"),  # experts 0, 2, 3, 5 get no rows
-    "one_expert": (90, 1, 4, "last_expert"),  # every token to the last expert
-    "k1": (130, 1, 5, "random"),
+    "random": (90, 2, 5, "random"),
+    "empty_experts": (72, 2, 6, "two_experts"),  # experts 0, 2, 3, 5 get no rows
+    "one_expert": (70, 1, 4, "last_expert"),  # every token to the last expert
+    "k1": (80, 1, 5, "random"),
     "one_token": (1, 4, 6, "random"),
 }
 # rows per minibatch: 1 M-tile, 2 M-tiles, one minibatch over everything, MoK's rule (serval.overlap)
@@ -422,7 +422,7 @@ def test_gpu_cuda_graph_replay():
 # ---------------------------------------------------------------- in the layer (KernelPlan.fused_forward)
 
 
-@pytest.mark.parametrize("kind", ["random", "empty"])
+@pytest.mark.parametrize("kind", ["empty"])  # some experts empty, the others several M-tiles
 def test_layer_with_the_fused_forward_equals_the_staged_layer(kind):
     """serval.moe with KernelPlan.fused_forward (the forward's routed GEMMs in one launch; the shared expert and
     the backward as before): y and every gradient bit for bit the staged kernels' (EP=1)."""
