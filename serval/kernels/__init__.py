@@ -8,7 +8,7 @@ One module per engine or job:
     gluon_pingpong.py     Gluon ping-pong GEMM (sm_90, Triton 3.6): the down dgrad + SwiGLU backward
     gluon_common.py       the Gluon version gate, descriptors and helpers both Gluon engines use
     in_gemm_pull.py       communication programs inside the gate/up GEMM (EP dispatch under the GEMM)
-    fused_forward.py      the forward's two expert GEMMs in one persistent launch (tasks, flags; not wired in yet)
+    fused_forward.py      the forward's routed GEMMs (and at EP its pull and push) in one persistent launch
     weight_grad.py        the grouped weight gradients over the token axis
     fp8_gemm.py           block-scaled FP8 grouped GEMM and weight gradient (Triton; Gluon on Hopper)
     gluon_fp8.py          Gluon cooperative FP8 GEMM, the scales applied per 128-K step (sm_90, Triton 3.6)

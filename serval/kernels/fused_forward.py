@@ -1,7 +1,9 @@
-"""The forward's two expert GEMMs in one persistent launch: the first piece of the fused layer kernel (issue 22).
+"""The forward's two expert GEMMs in one persistent launch, at expert parallelism with the dispatch (pull) and the
+combine (push) in the same launch: the first piece of the fused layer kernel.
 
 What this module owns: `_fused_forward_kernel`, which runs every gate/up + SwiGLU tile and every down tile of the
-forward (EP=1 rows, no pull, no push) in one persistent grid; its task order (`task_order`, the pure-Python
+forward in one persistent grid (at EP its first programs pull x's rows, and the down tiles push o's rows to their
+owners: see `fused_forward`); its task order (`task_order`, the pure-Python
 statement of it, and `_task_coords`, its device-side decode); its synchronisation state (`Sync`, `new_sync`); and
 the host function `fused_forward`. The per-tile work (K loop + epilogue) is `triton_gemm._gemm_tile`, the same
 function the staged grouped GEMM calls, in its "swiglu_fwd" and "store" variants with W_NK: the results are bit for
