@@ -300,10 +300,9 @@ def test_argument_errors():
 COMPILE_CHILD = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "0"
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+import torch
+sys.path.insert(0, "tests")
+from sm90 import compile_for_sm90
 from serval.kernels import common, fused_forward as ff
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule
@@ -324,13 +323,7 @@ ff.fused_forward(torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, 
                  torch.zeros(E, inter, hidden, **bf16), torch.zeros(E, hidden, inter, **bf16), schedule, 7.0,
                  plan.gate_up_tiles, plan.down_tiles, True, None, ff.new_sync(schedule.capacity // 128, "cpu"))
 (args, kwargs), = launches
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-kwargs = dict(kwargs, debug=False, instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
-binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-bound, specialization, options = binder(*args, **kwargs)
-options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+compiled = compile_for_sm90(kernel, args, kwargs, gluon=False)
 print("SHARED", compiled.metadata.shared)
 open(sys.argv[3], "w").write(compiled.asm["ptx"])
 """

@@ -30,6 +30,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 
 import pytest
+import sm90
 import torch
 import triton
 
@@ -193,19 +194,7 @@ def _record_launch(monkeypatch, variant, shape):
 def _compile(kernel, args, kwargs):
     """Specialise the launch as Triton's launcher does for sm_90 (its binder and argument packing: pointer and
     integer divisibility, constexprs, options) and compile it."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    kwargs = dict(kwargs, debug=False, instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    return sm90.compile_for_sm90(kernel, args, kwargs, gluon=True)
 
 
 def _ptxas_report(ptx: str, tmp_path) -> str:
