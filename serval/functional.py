@@ -394,7 +394,7 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     if shared is not None:
         shared_schedule = shared_schedule or dense_schedule(x.shape[0], schedule.block_m, x.device)
     shared_out = None
-    fused = recipe is None and getattr(ops, "fuses_forward", False)
+    fused = recipe is None and ops.fuses_forward
     if fused:
         gate_up, h, token_rows, token_schedule = _fused_experts(ops, x, w_gate, w_up, w_down, schedule,
                                                                 swiglu_limit, workspace)
