@@ -118,9 +118,9 @@ VARIANTS = {
 # (weight_grad: a [2I, R], b [H, R]), in the configs gluon_fp8.choose_config picks, and block_n = 64
 
 
-def _fp8_config(config, n):
+def _fp8_config(config, n, weight_grad=False):
     from serval.kernels import gluon_fp8
-    return config or gluon_fp8.choose_config(n)
+    return config or gluon_fp8.choose_config(n, weight_grad)
 
 
 def _fp8_gemm(config=None):
@@ -140,7 +140,7 @@ def _fp8_gemm(config=None):
 
 
 def _fp8_wgrad(config=None):
-    config = _fp8_config(config, min(SHAPES[s]["hidden"] for s in SHAPES))
+    config = _fp8_config(config, min(SHAPES[s]["hidden"] for s in SHAPES), weight_grad=True)
 
     def launch(engine, t):
         schedule, hidden, inter = t["schedule"], t["x_rows"].shape[1], t["h"].shape[1]
@@ -150,14 +150,14 @@ def _fp8_wgrad(config=None):
         a_scale = torch.ones(2 * inter, schedule.capacity // 128)
         b_scale = torch.ones(hidden, schedule.capacity // 128)
         out = torch.zeros(E, 2 * inter, hidden, dtype=torch.bfloat16)
-        assert engine.choose_config(hidden) == config
+        assert engine.choose_config(hidden, weight_grad=True) == config
         engine.weight_grad(a, a_scale, b, b_scale, schedule, out, config)
     return "gluon_fp8", "_fp8_kernel", launch, config, dict(SEGMENT="k", B_SCALE_GROUP=1)
 
 
 def _fp8_bn64():
     from serval.kernels.gluon_fp8 import Fp8Config
-    return _fp8_gemm(Fp8Config(block_n=64, stages=9))
+    return _fp8_gemm(Fp8Config(block_n=64, stages=8))
 
 
 FP8_VARIANTS = {

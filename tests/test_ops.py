@@ -6,9 +6,12 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import CUDA, requires_cuda
 from serval import ops
+from serval.kernels.quantize import _div_by_block_scale
 from serval.ops import E4M3_MAX, QuantizedTensor, dequantize
 
 
@@ -426,6 +429,51 @@ def test_cuda_kernel_matches_reference():
             probe = torch.cat([probe, torch.full((-probe.numel() % 128,), 448.0, device="cuda")]).view(-1, 128)
             kwargs.pop("row_scale")
             assert_same(quantize(probe, **kwargs), quantize(probe, backend="torch", **kwargs))
+
+
+@triton.jit
+def _divide(x_ptr, amax_ptr, fast_ptr, ieee_ptr, n, BLOCK: tl.constexpr):
+    """x / (amax / 448) for a vector x and one amax per program column: the kernel's way and div_rn."""
+    amax = tl.load(amax_ptr + tl.program_id(1))
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    out = tl.program_id(1).to(tl.int64) * n + offs
+    tl.store(fast_ptr + out, _div_by_block_scale(x, scale, tl.math.div_rn(1.0, scale)), mask=offs < n)
+    tl.store(ieee_ptr + out, tl.math.div_rn(x, scale), mask=offs < n)
+
+
+def test_block_scale_division_is_the_ieee_quotient():
+    """The fp32-scale quantizer divides by one reciprocal per block and an fma correction
+    (`quantize._div_by_block_scale`): for every bf16 x with |x| <= amax (the quantizer's inputs are bf16
+    values) and scale = amax / 448 as the kernel rounds it, the IEEE quotient bit for bit wherever E4M3 does not
+    round it to zero, and below 2^-10 (zero in E4M3) where it does (there fp32 underflow can move it). The GPU
+    checks every positive finite bf16 amax; the interpreter a sample (powers of two, their neighbours, 448's
+    multiples, the 1e-12 floor, random ones)."""
+    every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    finite = every_bf16[every_bf16.isfinite()]
+    positive = finite[finite > 0].unique()
+    device = "cuda" if CUDA else "cpu"
+    if not CUDA:
+        g = torch.Generator().manual_seed(0)
+        picks = [positive[torch.randint(len(positive), (12,), generator=g)],
+                 torch.tensor([1e-12, 1e-13, 448.0, 896.0, 224.0, 1.0, 3.0, 7.0, 3.3895e38])]
+        for e in range(-130, 128, 23):
+            p = torch.tensor(2.0 ** e)
+            picks.append(torch.stack([p, torch.nextafter(p, p * 2), torch.nextafter(p, p * 0)]))
+        amaxes = torch.cat(picks).bfloat16().float().unique()
+    else:
+        amaxes = positive
+    x, amaxes = finite.to(device), amaxes.to(device)
+    block = 1024
+    for chunk in amaxes.split(4096):
+        fast = torch.empty(len(chunk), len(x), device=device)
+        ieee = torch.empty_like(fast)
+        _divide[(triton.cdiv(len(x), block), len(chunk))](x, chunk, fast, ieee, len(x), BLOCK=block)
+        valid = x.abs()[None, :] <= chunk[:, None]
+        e4m3_range = valid & (ieee.abs() >= 2.0**-10)  # half of E4M3's smallest subnormal: below it, zero
+        assert torch.equal(bits(fast)[e4m3_range], bits(ieee)[e4m3_range])
+        assert bool((fast.abs()[valid & ~e4m3_range] < 2.0**-10).all())
 
 
 def test_mxfp8_quantize_of_the_contract():

@@ -20,8 +20,10 @@ last expert's are zero-filled). B_SCALE_GROUP = 128 with BLOCK_N dividing 128: o
 step (a scalar). SEGMENT "k" (weight_grad): tiles E x M-tiles x N-tiles (expert-major), each looping over its
 expert's rows [offsets[e], offsets[e + 1]) read from the device table by both roles; A [M, R] and B [N, R];
 per-row b scales (B_SCALE_GROUP = 1, a vector per step); an expert with no rows stores zeros. The host hands
-the kernel scale tables it can read without masks: the "k" scales transposed to [R/128, rows padded to whole
-tiles].
+the kernel the "k" scales transposed to [R/128, rows padded to whole tiles], so a step's [128] a scales and
+[BLOCK_N] b scales are contiguous runs: the loader brings them into the ring slot with the step's operands by
+TMA, and the consumers read them from shared memory (from global memory their latency stalled the promotion).
+"rows" reads its two per-row scales a thread and step from global memory.
 
 Epilogue: [64, EPI_N] column chunks converted to bf16 and stored with 16-byte pointer stores (no shared
 memory taken from the ring). The mbarrier waits need no time bound: every arrival they wait for is made
@@ -55,18 +57,20 @@ class Fp8Config:
     def __post_init__(self):
         if self.block_n not in (64, 128):
             raise ValueError(f"Fp8Config.block_n must be 64 or 128, got {self.block_n}")
-        stage_bytes = (BLOCK_M + self.block_n) * BLOCK_K
+        stage_bytes = (BLOCK_M + self.block_n) * (BLOCK_K + 4)  # fp8 operands and, for weight_grad, fp32 scales
         if not 2 <= self.stages or self.stages * stage_bytes > SM90_SHARED - 10240:
             raise ValueError(f"Fp8Config.stages={self.stages}: {stage_bytes} B a stage does not fit sm_90's "
                              f"shared memory with room for the epilogue's layout conversions")
 
 
-def choose_config(n: int) -> Fp8Config:
+def choose_config(n: int, weight_grad: bool = False) -> Fp8Config:
     """128-wide N tiles (the widest whose 64 + 64 fp32 registers fit a consumer), 64 for outputs no wider than
-    64; as many stages as fit 227 KB beside ~8 KB of epilogue scratch: 6 of 32 KB, 9 of 24 KB."""
+    64. The row-grouped GEMMs take as many stages as fit 227 KB beside ~8 KB of epilogue scratch (6 of 33 KB,
+    8 of 24.8 KB); the weight gradient 4, measured as fast or faster on the H200 (its K loops are one expert's
+    rows: kimi-k2's gate/up 775 against 681 TFLOP/s with 6)."""
     if n <= 64:
-        return Fp8Config(block_n=64, stages=9)
-    return Fp8Config(block_n=128, stages=6)
+        return Fp8Config(block_n=64, stages=4 if weight_grad else 8)
+    return Fp8Config(block_n=128, stages=4 if weight_grad else 6)
 
 
 if gluon_common.GLUON:
@@ -96,13 +100,18 @@ if gluon_common.GLUON:
         return expert, m_tile, n_tile, k_begin, k_end
 
     @gluon.jit
-    def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, expert_offsets_ptr, sched_block_m,
-                num_tiles, num_m_tiles, num_n_tiles, N, K, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr,
-                STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+    def _loader(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tile_expert_ptr,
+                expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N, K, stride_as_k,
+                stride_bs_k, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                NUM_PROGRAMS: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
-        stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        if SEGMENT == "rows":
+            stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        else:  # and the step's a and b scales, [BLOCK_M] and [BLOCK_N] fp32
+            stage_bytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                         + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes)
         count = 0
         for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             expert, m_tile, n_tile, k_begin, k_end = _tile(tile_id, tile_expert_ptr, expert_offsets_ptr,
@@ -119,10 +128,16 @@ if gluon_common.GLUON:
                 mbarrier.expect(ready.index(slot), stage_bytes)
                 tma.async_copy_global_to_shared(a_desc, [m0, k], ready.index(slot), a_bufs.index(slot))
                 tma.async_copy_global_to_shared(b_desc, [b_row, k], ready.index(slot), b_bufs.index(slot))
+                if SEGMENT == "k":
+                    kb = k // BLOCK_K
+                    tma.async_copy_global_to_shared(sa_desc, [kb * stride_as_k + m0], ready.index(slot),
+                                                    sa_bufs.index(slot))
+                    tma.async_copy_global_to_shared(sb_desc, [kb * stride_bs_k + b_row], ready.index(slot),
+                                                    sb_bufs.index(slot))
                 count += 1
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
                   expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
                   stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
                   CONSUMER: gl.constexpr, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
@@ -133,7 +148,6 @@ if gluon_common.GLUON:
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         HALF_M: gl.constexpr = BLOCK_M // 2  # this consumer's rows of the tile
         EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
-        SCALAR_SB: gl.constexpr = B_SCALE_GROUP % BLOCK_N == 0  # one weight scale per tile and K step
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
         chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -150,12 +164,9 @@ if gluon_common.GLUON:
                                                            GROUP_M, BLOCK_M)
             r0 = m_tile * BLOCK_M + CONSUMER * HALF_M
             n0 = n_tile * BLOCK_N
-            # the host pads the scales so that no load needs a mask (no predicates or zero fills per step)
-            sa_ptrs = a_scale_ptr + (r0 + gl.arange(0, HALF_M, layout=row_layout)).to(gl.int64) * stride_as_m
-            if SCALAR_SB:
+            if SEGMENT == "rows":  # per-row a scales, one b scale per tile and step
+                sa_ptrs = a_scale_ptr + (r0 + gl.arange(0, HALF_M, layout=row_layout)).to(gl.int64) * stride_as_m
                 sb_ptrs = b_scale_ptr + expert.to(gl.int64) * stride_bs_e + (n0 // B_SCALE_GROUP) * stride_bs_n
-            else:  # per-column scales, [KB, N padded] (stride_bs_n == 1): the tile's columns of row kb
-                sb_ptrs = b_scale_ptr + n0 + gl.arange(0, BLOCK_N, layout=col_layout)
             acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for k in range(k_begin, k_end, BLOCK_K):
                 slot = count % STAGES
@@ -163,17 +174,20 @@ if gluon_common.GLUON:
                 a = a_bufs.index(slot).slice(CONSUMER * HALF_M, HALF_M)
                 b = b_bufs.index(slot).permute((1, 0))
                 part = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
-                # this step's scales load while its wgmma runs (a load one step ahead would carry them in
-                # registers across the loop, a register copy per scale and step)
-                kb = k // BLOCK_K
-                sa = gl.load(sa_ptrs + kb * stride_as_k)
-                sb = gl.load(sb_ptrs + kb * stride_bs_k)
-                part = warpgroup_mma_wait(0, deps=(part,))
-                mbarrier.arrive(empty.index(slot))  # the slot is free before the promotion runs
-                if SCALAR_SB:
+                # this step's scales load while its wgmma runs: "rows" from global memory (two per thread,
+                # L2-resident), "k" from the ring slot the loader filled (a vector of BLOCK_N per step)
+                if SEGMENT == "rows":
+                    kb = k // BLOCK_K
+                    sa = gl.load(sa_ptrs + kb * stride_as_k)
+                    sb = gl.load(sb_ptrs + kb * stride_bs_k)
+                    part = warpgroup_mma_wait(0, deps=(part,))
                     scale = (sa * sb)[:, None]
                 else:
+                    sa = sa_bufs.index(slot).slice(CONSUMER * HALF_M, HALF_M).load(row_layout)
+                    sb = sb_bufs.index(slot).load(col_layout)
+                    part = warpgroup_mma_wait(0, deps=(part,))
                     scale = sa[:, None] * sb[None, :]
+                mbarrier.arrive(empty.index(slot))  # the slot is free before the promotion runs
                 acc = gl.fma(part, scale, acc)
                 count += 1
 
@@ -189,7 +203,7 @@ if gluon_common.GLUON:
                          mask=out_row_ok & (out_cols < N)[None, :])
 
     @gluon.jit
-    def _fp8_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr, expert_offsets_ptr,
+    def _fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr, expert_offsets_ptr,
                     num_experts, sched_block_m, M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n,
                     stride_bs_k, stride_out_e, stride_out_m, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
                     EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
@@ -201,6 +215,12 @@ if gluon_common.GLUON:
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        if SEGMENT == "k":  # the scales ride in the ring with their step's operands
+            sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], sa_desc.layout)
+            sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], sb_desc.layout)
+        else:
+            sa_bufs = a_bufs
+            sb_bufs = b_bufs
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -215,17 +235,17 @@ if gluon_common.GLUON:
             num_m_tiles = gl.cdiv(M, BLOCK_M)
             num_tiles = num_experts * num_m_tiles * num_n_tiles
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
                          expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
                          stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
                          0, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
                          expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
                          stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
                          1, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
-            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, expert_offsets_ptr,
-                       sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N, K, SEGMENT, GROUP_M, STAGES,
-                       NUM_PROGRAMS)),
+            (_loader, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
+                       tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N,
+                       K, stride_as_k, stride_bs_k, SEGMENT, GROUP_M, STAGES, NUM_PROGRAMS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @functools.lru_cache(maxsize=None)
@@ -236,12 +256,21 @@ if gluon_common.GLUON:
         """A host-side TMA descriptor of an fp8 tensor in `block` boxes (128-byte swizzle, K-major)."""
         return TensorDescriptor.from_tensor(t, block, _fp8_layout(tuple(block)))
 
+    def _scale_descriptor(t, block: int):
+        """A host-side TMA descriptor of a flat fp32 scale table in runs of `block` (no swizzle)."""
+        return TensorDescriptor.from_tensor(t.view(-1), [block], gl.NVMMASharedLayout(0, 32, rank=1))
+
 
 def _launch(a2d, b2d, a_scale, b_scale, out, schedule: Schedule, *, segment: str, m: int, n: int, k: int,
             a_scale_strides: tuple, b_scale_strides: tuple, b_scale_group: int, out_strides: tuple, num_tiles_max: int, config: Fp8Config):
     num_programs = max(1, min(common.num_sms(a2d.device.index), num_tiles_max))
+    a_desc, b_desc = _descriptor(a2d, [BLOCK_M, BLOCK_K]), _descriptor(b2d, [config.block_n, BLOCK_K])
+    if segment == "k":  # [KB, rows padded] tables: a step's scales of a tile are one contiguous run
+        sa_desc, sb_desc = _scale_descriptor(a_scale, BLOCK_M), _scale_descriptor(b_scale, config.block_n)
+    else:
+        sa_desc, sb_desc = a_desc, b_desc  # not read
     _fp8_kernel[(num_programs,)](
-        _descriptor(a2d, [BLOCK_M, BLOCK_K]), _descriptor(b2d, [config.block_n, BLOCK_K]), a_scale, b_scale, out,
+        a_desc, b_desc, sa_desc, sb_desc, a_scale, b_scale, out,
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, m, n, k,
         *a_scale_strides, *b_scale_strides, *out_strides,
         SEGMENT=segment, B_SCALE_GROUP=b_scale_group, EPI_SPLIT=config.epi_split, GROUP_M=config.group_m,
@@ -267,7 +296,7 @@ def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, confi
     """`fp8_gemm.weight_grad` on this engine (operands already checked there): writes out bf16 [E, M, N]."""
     m, num_rows = a_data.shape
     n = b_data.shape[0]
-    config = config or choose_config(n)
+    config = config or choose_config(n, weight_grad=True)
     if out.numel() == 0:
         return out
     num_tiles_max = schedule.num_experts * triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
