@@ -51,6 +51,11 @@ class Config:
         None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, never results.
     debug: check the expert ids at once on CUDA too, with a host sync: a ValueError in the call that
         passed them, instead of NaN outputs for that step and a ValueError in a later call.
+    peer_timeout_s: at expert parallelism, how long a rank waits for the others at each of the transport's
+        barriers before it gives up. On CPU (gloo) a RuntimeError then names the ranks that did not arrive;
+        on CUDA torch's signal-pad barrier prints the rank and traps (the CUDA context is lost: the process
+        has to restart). A rank that stops or skips a layer call is an error on the others, never a hang.
+        The waits inside the kernels (a compute program for its pulled rows) give up after about 10 s.
 
     Frozen and hashable: the layer's custom ops carry a Config as an interned id (`serval.api`), so
     every field must be hashable.
@@ -67,6 +72,7 @@ class Config:
     capacity_multiplier: float = 2.0
     debug: bool = False
     kernel_plan: KernelPlan | None = None
+    peer_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.kernel_plan is not None and not isinstance(self.kernel_plan, KernelPlan):
@@ -96,6 +102,9 @@ class Config:
         multiplier = self.capacity_multiplier
         if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not 1.0 <= multiplier < math.inf:
             raise ValueError(f"Config.capacity_multiplier must be a finite number >= 1.0, got {multiplier!r}")
+        timeout = self.peer_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.001 <= timeout < math.inf:
+            raise ValueError(f"Config.peer_timeout_s must be a finite number of seconds >= 0.001, got {timeout!r}")
 
 
 def _is_int(value) -> bool:

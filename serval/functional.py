@@ -191,11 +191,12 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
         if device.type == "cuda":
             from .transport.symm import SymmetricMemoryTransport
 
-            transport = SymmetricMemoryTransport(group, num_tokens, top_k, device)
+            transport = SymmetricMemoryTransport(group, num_tokens, top_k, device,
+                                                 timeout_ms=max(1, round(config.peer_timeout_s * 1000)))
         else:
             from .transport.cpu import SharedMemoryTransport
 
-            transport = SharedMemoryTransport(group, num_tokens, top_k)
+            transport = SharedMemoryTransport(group, num_tokens, top_k, timeout_s=config.peer_timeout_s)
         capacity = ep_capacity_rows(num_tokens, top_k, ep_size, experts_per_rank, config.block_m,
                                     config.capacity_multiplier)
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device, capacity,

@@ -8,7 +8,9 @@ depend on P), that two runs are identical, and that a routing beyond the capacit
 
 import dataclasses
 import datetime
+import json
 import os
+import time
 
 import pytest
 import torch
@@ -149,6 +151,74 @@ def misuse_worker(rank, world_size, init_file, scenario):
         dist.barrier()  # leave together: a gloo peer that exits early can abort the others
     finally:
         dist.destroy_process_group()
+
+
+def stop_early_worker(rank, world_size, init_file, device, result_file):
+    """Every rank runs a step; then the last rank stops (it never enters the second step) and the others must
+    get an error within Config.peer_timeout_s, not hang. The outcome goes to result_file (rank 0) for the test
+    to check; the processes leave with os._exit, since a rank that timed out cannot tear the group down
+    cleanly (and on CUDA its context is lost)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=2))
+    done = result_file + ".done"
+    x, rw, ids, weights, shared, d_y = problem(world_size, "random", N)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        x, rw, ids, d_y = x.cuda().bfloat16(), rw.cuda(), ids.cuda(), d_y.cuda().bfloat16()
+        weights, shared = [w.cuda().bfloat16() for w in weights], tuple(w.cuda().bfloat16() for w in shared)
+    tokens = slice(rank * N, (rank + 1) * N)
+    experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
+    config = serval.Config(block_m=128 if device == "cuda" else 16, backend="auto" if device == "cuda" else "torch",
+                           peer_timeout_s=2.0)
+    local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
+    layer_grads(*local, group=dist.group.WORLD, config=config)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if rank == world_size - 1:  # stops here: waits (bounded) until rank 0 has its outcome, then leaves
+        deadline = time.monotonic() + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        layer_grads(*local, group=dist.group.WORLD, config=config)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        outcome = "no error"
+    except RuntimeError as error:
+        outcome = str(error)
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump({"outcome": outcome, "elapsed_s": time.monotonic() - start}, f)
+        open(done, "w").close()
+    os._exit(0)
+
+
+def stopped_rank_outcome(world_size, tmp_path, device):
+    result = tmp_path / "outcome.json"
+    mp.spawn(stop_early_worker, args=(world_size, str(tmp_path / "init"), device, str(result)), nprocs=world_size,
+             join=True)
+    return json.loads(result.read_text())
+
+
+def test_ep_rank_that_stops_is_an_error_not_a_hang(tmp_path):
+    """The CPU transport's barriers are gloo monitored barriers bounded by Config.peer_timeout_s: the ranks
+    still running get a RuntimeError that names the wait and the missing rank."""
+    outcome = stopped_rank_outcome(2, tmp_path, "cpu")
+    assert "waited 2 s (Config.peer_timeout_s)" in outcome["outcome"], outcome
+    assert "Ranks 1 failed to pass" in outcome["outcome"], outcome  # gloo names the rank that stopped
+    assert outcome["elapsed_s"] < 30, outcome
+
+
+@requires_cuda
+def test_ep_rank_that_stops_on_one_gpu(tmp_path, monkeypatch):
+    """On CUDA, torch's signal-pad barrier (bounded by Config.peer_timeout_s) traps on the ranks still
+    running: a CUDA error at their next sync, never a hang."""
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    outcome = stopped_rank_outcome(2, tmp_path, "cuda")
+    assert "CUDA error" in outcome["outcome"] or "illegal" in outcome["outcome"], outcome
+    assert outcome["elapsed_s"] < 60, outcome
 
 
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,

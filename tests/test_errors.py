@@ -99,6 +99,9 @@ def test_bad_config():
         serval.Config(capacity_multiplier=float("inf"))
     with pytest.raises(ValueError, match="Config.block_m"):
         serval.Config(block_m=True)
+    for timeout in (0, -1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="Config.peer_timeout_s must be a finite number of seconds"):
+            serval.Config(peer_timeout_s=timeout)
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "fp8_blockwise"])

@@ -10,6 +10,7 @@ and protocol of the expert-parallel layer run (and are tested) without a GPU.
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -31,8 +32,12 @@ def _job_id(group, rank: int) -> str:
 
 
 class SharedMemoryTransport:
-    def __init__(self, group, num_tokens: int, top_k: int):
+    """timeout_s bounds every barrier wait: on a gloo group a monitored barrier, whose timeout names the ranks
+    that did not arrive (re-raised as a RuntimeError that says what serval was waiting for)."""
+
+    def __init__(self, group, num_tokens: int, top_k: int, *, timeout_s: float = 300.0):
         self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.num_tokens, self.top_k = num_tokens, top_k
@@ -40,7 +45,16 @@ class SharedMemoryTransport:
         self.buffers: dict[tuple, list[torch.Tensor]] = {}
 
     def _barrier(self):
-        dist.barrier(group=self.group)
+        if dist.get_backend(self.group) != "gloo":  # monitored_barrier is gloo's
+            dist.barrier(group=self.group)
+            return
+        try:
+            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"serval.moe: rank {self.rank} of the EP group waited {self.timeout.total_seconds():g} s "
+                f"(Config.peer_timeout_s) for the other ranks at a transport barrier; a rank stopped or skipped "
+                f"this layer call ({error})") from error
 
     def _peer_buffers(self, role: str, rows: int, width: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """[rows, width] buffer of every rank (index = rank), created collectively on first use."""
@@ -60,6 +74,7 @@ class SharedMemoryTransport:
         return self.buffers[key]
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        self._barrier()  # a rank that is not here is a bounded, named error, not a collective that waits on
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts)
