@@ -26,3 +26,32 @@ def compile_for_sm90(kernel, args, kwargs, *, gluon: bool):
     else:
         source = ASTSource
     return triton.compile(source(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def compile_in_child(script: str, args: list, tmp_path):
+    """(shared memory bytes, ptxas -v report) of one launch compiled for sm_90a by `script` in a child process.
+
+    The child runs with TRITON_INTERPRET=0 (set here, serval's helpers would otherwise be interpreter functions in
+    it): it records the launch, compiles it with `compile_for_sm90`, prints "SHARED <bytes>" and writes the PTX to
+    the path given as its last argument. Skips the test where Triton has no NVIDIA backend to compile with."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(90).path  # the ptxas Triton compiles sm_90 with
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"no NVIDIA backend to compile with: {e}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ptx = tmp_path / "kernel.ptx"
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args), str(ptx)], cwd=root,
+                          env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    shared = int(done.stdout.split("SHARED")[-1].split()[0])
+    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "kernel.cubin")],
+                            capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr[-3000:]
+    return shared, report.stderr

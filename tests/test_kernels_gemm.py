@@ -478,6 +478,53 @@ def test_pulling_gemms_take_their_tiles_minibatch_by_minibatch(monkeypatch):
     assert gemm_stages._pulling_tiles(tiles, KernelPlan(), pull, *args).group_m == rule // 128 == 14
 
 
+# ---------------------------------------------------------------- sm_90a, without a GPU
+
+PULL_GEMM_CHILD = r"""
+import sys
+import torch
+sys.path.insert(0, "tests")
+from sm90 import compile_for_sm90
+from serval.kernels import common, in_gemm_pull, triton_gemm
+from serval.peers import PeerTokens
+from serval.plan import KernelPlan
+from serval.schedule import build_schedule
+
+common.num_sms = lambda *a: 132
+common.install_tma_allocator = lambda: None
+launches = []
+kernel = triton_gemm._grouped_gemm_kernel
+class Recorder:
+    def __getitem__(self, grid):
+        return lambda *a, **k: launches.append((a, k))
+triton_gemm._grouped_gemm_kernel = Recorder()
+hidden, inter, E, N, P = int(sys.argv[1]), int(sys.argv[2]), 4, 256, 2
+schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
+bf16 = dict(dtype=torch.bfloat16)
+plan = KernelPlan()
+source = PeerTokens(torch.zeros(P, dtype=torch.int64), N // P, 2, hidden, torch.bfloat16, True)
+pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c, *in_gemm_pull.new_flags(schedule.capacity // 128, "cpu"))
+triton_gemm.gate_up_swiglu(torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
+                           torch.zeros(E, inter, hidden, **bf16), schedule, 7.0, plan.gate_up_tiles, True, pull=pull)
+(args, kwargs), = launches
+compiled = compile_for_sm90(kernel, args, kwargs, gluon=False)
+print("SHARED", compiled.metadata.shared)
+open(sys.argv[3], "w").write(compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU tests run the kernel itself")
+def test_gate_up_with_pull_programs_compiles_for_sm90a(tmp_path):
+    """The gate/up GEMM with pull programs (the dispatch inside the GEMM at EP), with the plan's Hopper tiles,
+    compiles for sm_90a with its wgmma pipelined: no printf in it on the GPU (ptxas's C7510 warning would say
+    that a function call serialized every wgmma of the kernel)."""
+    from sm90 import compile_in_child
+
+    shared, report = compile_in_child(PULL_GEMM_CHILD, [512, 256], tmp_path)
+    assert shared <= 232448, f"{shared} bytes of shared memory"
+    assert "C7510" not in report, report
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 GPU_SHAPE = dict(num_tokens=4096, top_k=8, num_experts=8, hidden=2048, inter=768)

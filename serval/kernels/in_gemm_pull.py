@@ -8,8 +8,9 @@ compute programs read the rows with TMA, the async proxy; then a release store).
 for its tile's flag (acquire) before its K loop, so the pull runs under the GEMM instead of before it.
 
 Flags hold the call's epoch (a device counter bumped before each launch), so they are never reset and a
-CUDA graph can replay the launch. Every wait is bounded: past about 10 s the program prints the tile and
-traps (the CUDA context is lost, as when a transport barrier times out): an error, never a hang. Every
+CUDA graph can replay the launch. Every wait is bounded: past about 10 s the program traps (the CUDA context
+is lost, as when a transport barrier times out): an error, never a hang. Under the interpreter it also prints
+the M-tile; on the GPU it does not, since a printf anywhere in the GEMM would serialize its wgmma. Every
 program is resident at once (one per SM) and the pull programs have the lowest ids, so no wait blocks a
 program that the awaited one needs. Under the interpreter programs run in id order, so the pull programs
 finish before any compute program starts.
@@ -93,6 +94,7 @@ def wait_until(flag_ptr, target, tile, MESSAGE: tl.constexpr, PRINT: tl.constexp
 
 
 @triton.jit
-def wait_for_rows(flag_ptr, epoch, m_tile):
-    """Wait (bounded) until a communication program has published M-tile m_tile of this call."""
-    wait_until(flag_ptr, epoch, m_tile, "serval: timed out waiting for the pulled rows of M-tile ", True)
+def wait_for_rows(flag_ptr, epoch, m_tile, PRINT: tl.constexpr):
+    """Wait (bounded) until a communication program has published M-tile m_tile of this call; PRINT: say which
+    M-tile before the trap (the GEMMs pass it under the interpreter only: see `wait_until`)."""
+    wait_until(flag_ptr, epoch, m_tile, "serval: timed out waiting for the pulled rows of M-tile ", PRINT)

@@ -34,7 +34,9 @@ specialises each use:
   16-byte vectors (host-checked).
 * PULL_PROGRAMS > 0 (at expert parallelism, the gate/up GEMM and the down dgrad): the dispatch inside the
   GEMM: the first PULL_PROGRAMS programs pull A's rows (x's, d_y's) M-tile by M-tile from the owners' token
-  buffers and publish each with a flag the compute programs wait for (`in_gemm_pull`).
+  buffers and publish each with a flag the compute programs wait for (`in_gemm_pull`). PRINT_TIMEOUTS: a wait
+  that times out prints its M-tile before the trap (set under the interpreter only: a printf anywhere in the
+  kernel makes ptxas serialize its wgmma).
 * UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set there only).
 
 One output tile's work, its K loop and epilogue, is `_gemm_tile` (with `_descriptors`, the tensor descriptors it
@@ -351,6 +353,7 @@ def _grouped_gemm_kernel(
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
     EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
     PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr, PULL_BLOCK_C: tl.constexpr, PROXY_FENCE: tl.constexpr,
+    PRINT_TIMEOUTS: tl.constexpr,
 ):
     EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
     EPI_TMA_STORES: tl.constexpr = USE_TMA and EPI_TMA_STORES_CFG
@@ -374,7 +377,7 @@ def _grouped_gemm_kernel(
     for tile_id in tl.range(first_tile, num_tiles, NUM_PROGRAMS - PULL_PROGRAMS, flatten=FLATTEN):
         m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
         if PULL_PROGRAMS > 0:
-            in_gemm_pull.wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile)
+            in_gemm_pull.wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile, PRINT_TIMEOUTS)
         _gemm_tile(descs, m_tile, n_tile, num_n_tiles,
                    a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
                    tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
@@ -471,7 +474,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, w_nk:
         EPI_SPLIT=tiles.epi_split, EPI_TMA_STORES_CFG=tiles.epi_tma_stores, PUSH=push_to is not None,
         PUSH_ALIGNED=push_to is not None and push_to.aligned,
         PULL_PROGRAMS=pull_programs, PULL_ALIGNED=pull_aligned, PULL_BLOCK_C=pull_block_c,
-        PROXY_FENCE=use_tma and not common.INTERPRET,
+        PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=common.INTERPRET,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
