@@ -201,6 +201,7 @@ GPU_CASES = {
     "ragged": dict(tokens=333, experts=6, top_k=2, kind="empty", k=320, n=200),
     "one expert": dict(tokens=300, experts=4, top_k=1, kind="one", k=256, n=384),
     "one token": dict(tokens=1, experts=4, top_k=2, kind="random", k=128, n=128),
+    "narrow": dict(tokens=200, experts=3, top_k=2, kind="random", k=48, n=136),  # weight_grad's N = 48: 64-wide tiles
 }
 
 
