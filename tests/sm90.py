@@ -1,5 +1,6 @@
 """A recorded kernel launch compiled for sm_90a without a GPU: the step the compile-only tests share
-(tests/test_gluon_compile.py, tests/test_fused_forward.py).
+(tests/test_gluon_compile.py; tests/test_fused_forward.py and tests/test_kernels_gemm.py through
+`compile_in_child`, which compiles in a child process and runs ptxas -v on the result).
 
 The launch is specialised as Triton's launcher would for a GPUTarget("cuda", 90) (its binder and argument packing:
 pointer and integer divisibility, constexprs, options), then compiled to a cubin by `triton.compile`; the caller
@@ -55,3 +56,29 @@ def compile_in_child(script: str, args: list, tmp_path):
                             capture_output=True, text=True)
     assert report.returncode == 0, report.stderr[-3000:]
     return shared, report.stderr
+
+
+def compile_launch_in_this_child(module, kernel_name: str, launch, ptx_path: str):
+    """The child side of `compile_in_child`: run launch() with module.<kernel_name> replaced by a recorder (on a
+    machine of 132 SMs, no TMA allocator), compile the one launch it made for sm_90a, print "SHARED <bytes>" and
+    write the PTX to ptx_path."""
+    from serval.kernels import common
+
+    common.num_sms = lambda *a: 132
+    common.install_tma_allocator = lambda: None
+    kernel, launches = getattr(module, kernel_name), []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((a, k))
+
+    setattr(module, kernel_name, Recorder())
+    try:
+        launch()
+    finally:
+        setattr(module, kernel_name, kernel)
+    (args, kwargs), = launches
+    compiled = compile_for_sm90(kernel, args, kwargs, gluon=False)
+    print("SHARED", compiled.metadata.shared)
+    with open(ptx_path, "w") as f:
+        f.write(compiled.asm["ptx"])

@@ -296,34 +296,22 @@ def test_argument_errors():
 # ---------------------------------------------------------------- sm_90a, without a GPU
 
 COMPILE_CHILD = r"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "0"
+import sys
 import torch
 sys.path.insert(0, "tests")
-from sm90 import compile_for_sm90
-from serval.kernels import common, fused_forward as ff
+from sm90 import compile_launch_in_this_child
+from serval.kernels import fused_forward as ff
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule
 
-common.num_sms = lambda *a: 132
-common.install_tma_allocator = lambda: None
-launches = []
-kernel = ff._fused_forward_kernel
-class Recorder:
-    def __getitem__(self, grid):
-        return lambda *a, **k: launches.append((a, k))
-ff._fused_forward_kernel = Recorder()
 hidden, inter, E, N = int(sys.argv[1]), int(sys.argv[2]), 4, 256
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
-ff.fused_forward(torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
-                 torch.zeros(E, inter, hidden, **bf16), torch.zeros(E, hidden, inter, **bf16), schedule, 7.0,
-                 plan.gate_up_tiles, plan.down_tiles, True, None, ff.new_sync(schedule.capacity // 128, "cpu"))
-(args, kwargs), = launches
-compiled = compile_for_sm90(kernel, args, kwargs, gluon=False)
-print("SHARED", compiled.metadata.shared)
-open(sys.argv[3], "w").write(compiled.asm["ptx"])
+compile_launch_in_this_child(ff, "_fused_forward_kernel", lambda: ff.fused_forward(
+    torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
+    torch.zeros(E, inter, hidden, **bf16), torch.zeros(E, hidden, inter, **bf16), schedule, 7.0,
+    plan.gate_up_tiles, plan.down_tiles, True, None, ff.new_sync(schedule.capacity // 128, "cpu")), sys.argv[3])
 """
 
 

@@ -484,32 +484,21 @@ PULL_GEMM_CHILD = r"""
 import sys
 import torch
 sys.path.insert(0, "tests")
-from sm90 import compile_for_sm90
-from serval.kernels import common, in_gemm_pull, triton_gemm
+from sm90 import compile_launch_in_this_child
+from serval.kernels import in_gemm_pull, triton_gemm
 from serval.peers import PeerTokens
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule
 
-common.num_sms = lambda *a: 132
-common.install_tma_allocator = lambda: None
-launches = []
-kernel = triton_gemm._grouped_gemm_kernel
-class Recorder:
-    def __getitem__(self, grid):
-        return lambda *a, **k: launches.append((a, k))
-triton_gemm._grouped_gemm_kernel = Recorder()
 hidden, inter, E, N, P = int(sys.argv[1]), int(sys.argv[2]), 4, 256, 2
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
 source = PeerTokens(torch.zeros(P, dtype=torch.int64), N // P, 2, hidden, torch.bfloat16, True)
 pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c, *in_gemm_pull.new_flags(schedule.capacity // 128, "cpu"))
-triton_gemm.gate_up_swiglu(torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
-                           torch.zeros(E, inter, hidden, **bf16), schedule, 7.0, plan.gate_up_tiles, True, pull=pull)
-(args, kwargs), = launches
-compiled = compile_for_sm90(kernel, args, kwargs, gluon=False)
-print("SHARED", compiled.metadata.shared)
-open(sys.argv[3], "w").write(compiled.asm["ptx"])
+compile_launch_in_this_child(triton_gemm, "_grouped_gemm_kernel", lambda: triton_gemm.gate_up_swiglu(
+    torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
+    torch.zeros(E, inter, hidden, **bf16), schedule, 7.0, plan.gate_up_tiles, True, pull=pull), sys.argv[3])
 """
 
 
