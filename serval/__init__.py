@@ -13,9 +13,9 @@ Layout (each module's docstring says what it owns):
 """
 
 from . import functional, ops, reference
-from .api import moe
+from .api import moe, quantize_expert_weights
 from .config import Config
 from .module import MoE
 
-__all__ = ["moe", "MoE", "Config", "functional", "ops", "reference"]
+__all__ = ["moe", "quantize_expert_weights", "MoE", "Config", "functional", "ops", "reference"]
 __version__ = "0.1.0"

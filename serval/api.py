@@ -235,7 +235,8 @@ _FP8_KEPT = 4  # tensors of serval.precision.Kept
 @torch.library.custom_op("serval::moe_forward", mutates_args=())
 def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Tensor, w_up: Tensor,
                  w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
-                 swiglu_limit: Optional[float], config_id: int, workspace_id: int,
+                 expert_weights: list[Tensor], swiglu_limit: Optional[float], config_id: int,
+                 workspace_id: int,
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                             Tensor, Tensor]:
     """Returns y, the five schedule tensors, the kept pre-activations (empty when recomputed or FP8),
@@ -276,7 +277,8 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
             kept_router_weights = kept_router_weights.masked_fill(poisoned, float("nan"))
     y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down, shared, config=config,
                                 swiglu_limit=swiglu_limit, workspace=workspace,
-                                all_router_weights=kept_router_weights if workspace is not None else None)
+                                all_router_weights=kept_router_weights if workspace is not None else None,
+                                expert_weights=_expert_weights(config, expert_weights))
     kept_fp8 = ctx.kept.tensors() if ctx.kept is not None else (None,) * _FP8_KEPT
     kept = [t if t is not None else x.new_empty(_EMPTY)
             for t in (ctx.gate_up, ctx.shared_gate_up, kept_router_weights, *kept_fp8)]
@@ -284,8 +286,8 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
 
 
 @_moe_forward.register_fake
-def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, swiglu_limit, config_id,
-      workspace_id):
+def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, expert_weights, swiglu_limit,
+      config_id, workspace_id):
     config = config_by_id(config_id)
     block_m = config.block_m
     num_tokens, top_k = topk_ids.shape
@@ -318,7 +320,8 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
                   tokens_per_expert: Tensor, expert_offsets: Tensor, row_source: Tensor, source_row: Tensor,
                   tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, kept_router_weights: Tensor,
                   gate_up_fp8: Tensor, gate_up_scale: Tensor, h_tokens: Tensor, h_tokens_scale: Tensor,
-                  swiglu_limit: Optional[float], config_id: int, workspace_id: int,
+                  expert_weights: list[Tensor], swiglu_limit: Optional[float], config_id: int,
+                  workspace_id: int,
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, and the shared expert's (empty if none)."""
     config = config_by_id(config_id)
@@ -338,7 +341,7 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
                                     None if recompute or shared is None else shared_gate_up, swiglu_limit,
                                     kept_router_weights if workspace else None, kept)
     grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down, shared, config=config,
-                                workspace=workspace)
+                                workspace=workspace, expert_weights=_expert_weights(config, expert_weights))
     shared_grads = grads.shared or tuple(x.new_empty(_EMPTY) for _ in range(3))
     return (grads.x, grads.router_weights, grads.w_gate, grads.w_up, grads.w_down, *shared_grads)
 
@@ -353,11 +356,22 @@ def _(d_y, x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *re
 _FORWARD_TENSOR_INPUTS = 9  # x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
 
 
+def _expert_weights(config: Config, tensors) -> precision.ExpertWeights | None:
+    """The custom ops' flat expert_weights list back as `precision.ExpertWeights` (empty: quantize per call)."""
+    if not tensors:
+        return None
+    return precision.ExpertWeights.from_tensors(precision.recipe_of(config.precision), tensors)
+
+
 def _setup_context(ctx, inputs, output):
     x, router_weights, _, w_gate, w_up, w_down, ws_gate, ws_up, ws_down = inputs[:_FORWARD_TENSOR_INPUTS]
-    ctx.options = inputs[_FORWARD_TENSOR_INPUTS:]  # swiglu_limit, config_id, workspace_id
+    expert_weights = inputs[_FORWARD_TENSOR_INPUTS]
+    ctx.options = inputs[_FORWARD_TENSOR_INPUTS + 1:]  # swiglu_limit, config_id, workspace_id
     ctx.has_shared = ws_gate is not None
-    ctx.save_for_backward(x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *output[1:])
+    ctx.num_kept = 8 + len(output) - 1  # the saved tensors before the expert weights
+    ctx.num_expert_weights = len(expert_weights)
+    ctx.save_for_backward(x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *output[1:],
+                          *expert_weights)
     # only y has a gradient: autograd must not fill zero gradients for the kept tensors (270 MB on kimi-k2)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
@@ -365,12 +379,15 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, d_y, *_unused_output_grads):  # the unused ones arrive as None
     if d_y is None:  # y took no part in what is differentiated
-        return (None,) * (_FORWARD_TENSOR_INPUTS + len(ctx.options))
-    grads = torch.ops.serval.moe_backward(d_y, *ctx.saved_tensors, *ctx.options)
+        return (None,) * _FORWARD_TENSOR_INPUTS + ([None] * ctx.num_expert_weights,) + (None,) * len(ctx.options)
+    saved = ctx.saved_tensors
+    grads = torch.ops.serval.moe_backward(d_y, *saved[:ctx.num_kept], list(saved[ctx.num_kept:]), *ctx.options)
     d_x, d_rw, d_w_gate, d_w_up, d_w_down, *shared_grads = grads
     if not ctx.has_shared:
         shared_grads = [None, None, None]
-    return (d_x, d_rw, None, d_w_gate, d_w_up, d_w_down, *shared_grads) + (None,) * len(ctx.options)
+    # the expert weights in their GEMMs' form are a function of w_gate, w_up, w_down: no gradient of their own
+    return ((d_x, d_rw, None, d_w_gate, d_w_up, d_w_down, *shared_grads, [None] * ctx.num_expert_weights)
+            + (None,) * len(ctx.options))
 
 
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -378,8 +395,31 @@ _moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # ---------------------------------------------------------------- public entry point
 
+def quantize_expert_weights(w_gate, w_up, w_down, precision_name: str) -> precision.ExpertWeights:
+    """The routed experts' weights in the form the GEMMs of an FP8 precision read ("mxfp8" or "fp8_blockwise";
+    `serval.precision.ExpertWeights` says what each holds), for `moe(..., expert_weights=...)`: quantize once
+    after each optimizer step, and every micro-batch of the step reuses them (gradient accumulation then
+    quantizes the weights once, not twice per micro-batch). The values are the caller's to keep current: stale
+    ones give the results of the weights they were made from. w_gate, w_up [E_local, I, H] and w_down
+    [E_local, H, I] bf16, as passed to `moe`."""
+    recipe = precision.recipe_of(precision_name)
+    if recipe is None:
+        raise ValueError(f"precision must be one of {tuple(precision.RECIPES)} (bf16 weights need no quantizing), "
+                         f"got {precision_name!r}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(w, Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
+            got = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, Tensor) else type(w).__name__
+            raise ValueError(f"{name} must be a 3-D bfloat16 tensor, got {got}")
+    if w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
+        raise ValueError(f"w_gate, w_up must be [E, I, H] and w_down [E, H, I], got {tuple(w_gate.shape)}, "
+                         f"{tuple(w_up.shape)}, {tuple(w_down.shape)}")
+    precision.check_inputs(recipe, w_gate.dtype, w_gate.shape[1], recipe.block)
+    with torch.no_grad():
+        return precision.expert_weights(recipe, w_gate.detach(), w_up.detach(), w_down.detach())
+
+
 def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group=None, config=None,
-        swiglu_limit=None):
+        swiglu_limit=None, expert_weights=None):
     """The MoE layer of docs/CONTRACT.md:
     y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
@@ -388,7 +428,8 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     layout); shared = (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is]) or None; group: the
     expert-parallel process group (None: EP=1); config: `serval.Config`; swiglu_limit: before SwiGLU,
     the gate clamped to max=limit and up to [-limit, limit], in the routed experts and the shared
-    expert alike.
+    expert alike; expert_weights: in an FP8 precision, `quantize_expert_weights(w_gate, w_up, w_down,
+    precision)` made after the weights' last update (None: they are quantized in each call).
     Returns y [N, H] in x's dtype; differentiable in x, router_weights and every weight; bitwise
     deterministic; no host-device synchronisation. Bad input: a TypeError/ValueError naming the
     argument; expert ids out of range: see the module docstring (on CUDA, a NaN step and a
@@ -402,6 +443,11 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     recipe = precision.recipe_of(config.precision)
     if recipe is not None:
         precision.check_inputs(recipe, x.dtype, w_gate.shape[1], config.block_m)
+    if expert_weights is not None:
+        if recipe is None:
+            raise ValueError("expert_weights is for the FP8 precisions (Config.precision 'mxfp8' or "
+                             "'fp8_blockwise'); this call runs in bf16")
+        precision.check_expert_weights(recipe, expert_weights, w_gate, w_down)
     workspace_id = -1
     if ep_size > 1:
         num_tokens, top_k = topk_ids.shape
@@ -410,5 +456,6 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     ws_gate, ws_up, ws_down = shared if shared is not None else (None, None, None)
     limit = None if swiglu_limit is None else float(swiglu_limit)
     outputs = torch.ops.serval.moe_forward(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up,
-                                           ws_down, limit, config_id(config), workspace_id)
+                                           ws_down, [] if expert_weights is None else expert_weights.tensors(),
+                                           limit, config_id(config), workspace_id)
     return outputs[0]

@@ -382,11 +382,13 @@ def _fused_experts(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limi
 def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=None, *,
             config: Config | None = None, swiglu_limit: float | None = None,
             shared_schedule: Schedule | None = None, workspace: Workspace | None = None,
-            all_router_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardContext]:
+            all_router_weights: torch.Tensor | None = None,
+            expert_weights: precision.ExpertWeights | None = None) -> tuple[torch.Tensor, ForwardContext]:
     """y = shared(x) + routed experts combined in slot order; returns (y, what backward needs).
 
     At EP: `workspace` of the group, `schedule` and `all_router_weights` from `build_ep_schedule`.
-    The routed experts run in `config.precision` (`serval.precision`), the shared expert in x's dtype.
+    The routed experts run in `config.precision` (`serval.precision`), the shared expert in x's dtype;
+    expert_weights: in an FP8 precision, the weights already in its GEMMs' form (`precision.expert_weights`).
     """
     config = config or Config()
     recipe = precision.recipe_of(config.precision)
@@ -410,7 +412,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         if config.debug:
             precision.check_finite("x", x)
         x_rows = None if transport is None else transport.pull(x, schedule.row_source)
-        out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit)
+        out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
+                                      expert_weights)
         gate_up = None
         shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
     if shared is not None:
@@ -429,7 +432,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
 
 
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
-                              config: Config | None = None, workspace: Workspace | None = None) -> ForwardContext:
+                              config: Config | None = None, workspace: Workspace | None = None,
+                              expert_weights: precision.ExpertWeights | None = None) -> ForwardContext:
     """Fill in what a `Config(recompute=True)` forward did not keep."""
     config = config or Config()
     recipe = precision.recipe_of(config.precision)
@@ -442,7 +446,8 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
         return dataclasses.replace(ctx, gate_up=gate_up, shared_gate_up=shared_gate_up)
     transport = _transport(workspace)
     x_rows = None if transport is None else transport.pull(x, ctx.schedule.row_source)
-    _, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, None, ctx.schedule, ctx.swiglu_limit)
+    _, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, None, ctx.schedule, ctx.swiglu_limit,
+                                expert_weights)
     shared_gate_up, _ = _shared_gate_up(ops, x, shared, ctx.shared_schedule, ctx.swiglu_limit)
     return dataclasses.replace(ctx, kept=kept, shared_gate_up=shared_gate_up)
 
@@ -478,12 +483,14 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
 
 
 def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, shared=None, *,
-             config: Config | None = None, workspace: Workspace | None = None) -> Grads:
-    """Gradients of the layer for output gradient d_y [N, H]; see `Grads`."""
+             config: Config | None = None, workspace: Workspace | None = None,
+             expert_weights: precision.ExpertWeights | None = None) -> Grads:
+    """Gradients of the layer for output gradient d_y [N, H]; see `Grads` (expert_weights: as in `forward`)."""
     config = config or Config()
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
-    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace)
+    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
+                                    expert_weights=expert_weights)
     d_y = d_y.contiguous()
     shared_d_x = shared_grads = None
     if shared is not None:  # the shared expert: every local token once, rows = tokens, never moved
@@ -510,7 +517,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
                                                                    transport.pull(x, schedule.row_source))
         d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = precision.backward(
             ops, recipe, d_y, d_y_rows, x, x_rows, ctx.kept, row_router_weights, w_gate, w_up, w_down, schedule,
-            ctx.swiglu_limit)
+            ctx.swiglu_limit, expert_weights)
         d_x = ops.sum_slots(*_rows_out(d_x_rows, schedule, transport), shared_d_x)
         del d_x_rows
         d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)

@@ -160,6 +160,77 @@ def _gate_up_weights(recipe: Recipe, w_gate, w_up, k_dim: int) -> QuantizedTenso
     return QuantizedTensor(data, scale, recipe.weight_block, transpose)
 
 
+class ExpertWeights(NamedTuple):
+    """The routed experts' weights as the four GEMMs of a precision read them, made by `expert_weights`:
+    per call, or once per optimizer step by the user (`serval.quantize_expert_weights`) and passed to every
+    micro-batch's `serval.moe`, so that gradient accumulation quantizes them once.
+
+    fp8_blockwise: QuantizedTensors, 128 x 128 blocks: gate_up [E, 2I, H] (K = H, forward), down [E, H, I]
+    (K = I, forward), down_t [E, I, H] (K = H, down dgrad), gate_up_t [E, H, 2I] (K = I, gate/up dgrad).
+    mxfp8: the exactly dequantized bf16 weights the BF16 GEMMs read, blocks of 32 along each GEMM's K:
+    gate_up and gate_up_t are (w_gate, w_up) pairs in the bf16 layout, down and down_t w_down's."""
+
+    gate_up: object
+    down: object
+    down_t: object
+    gate_up_t: object
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Flat, in field order (the custom ops carry them as a tensor list)."""
+        flat = []
+        for field in self:
+            flat += [field.data, field.scale] if isinstance(field, QuantizedTensor) else list(
+                field if isinstance(field, tuple) else (field,))
+        return flat
+
+    @classmethod
+    def from_tensors(cls, recipe: Recipe, tensors) -> "ExpertWeights":
+        t = list(tensors)
+        if recipe.fp8_gemm:
+            block = recipe.weight_block
+            return cls(*(QuantizedTensor(t[2 * i], t[2 * i + 1], block, transposed)
+                         for i, transposed in enumerate((False, False, True, True))))
+        return cls((t[0], t[1]), t[2], t[3], (t[4], t[5]))
+
+
+def expert_weights(recipe: Recipe, w_gate, w_up, w_down) -> ExpertWeights:
+    """w_gate, w_up [E, I, H] and w_down [E, H, I] bf16, in the form each GEMM of the recipe reads."""
+    if recipe.fp8_gemm:
+        return ExpertWeights(_gate_up_weights(recipe, w_gate, w_up, 2), recipe.weight(w_down, 2),
+                             recipe.weight(w_down, 1), _gate_up_weights(recipe, w_gate, w_up, 1))
+    return ExpertWeights((recipe.weight(w_gate, 2), recipe.weight(w_up, 2)), recipe.weight(w_down, 2),
+                         recipe.weight(w_down, 1), (recipe.weight(w_gate, 1), recipe.weight(w_up, 1)))
+
+
+def check_expert_weights(recipe: Recipe, made: ExpertWeights, w_gate, w_down) -> None:
+    """ValueError unless `made` is what `expert_weights(recipe, w_gate, w_up, w_down)` returns for weights of
+    these shapes (the values are the caller's to keep current: quantize again after each optimizer step)."""
+    want = expert_weights_like(recipe, w_gate.shape, w_down.shape, w_gate.device)
+    got = made.tensors() if isinstance(made, ExpertWeights) else None
+    if got is None or len(got) != len(want) or any(
+            g.shape != w.shape or g.dtype != w.dtype or g.device != w.device for g, w in zip(got, want)):
+        raise ValueError(f"expert_weights must be serval.quantize_expert_weights(w_gate, w_up, w_down, "
+                         f"precision={recipe.name!r}) of this layer's weights (w_gate {tuple(w_gate.shape)}, "
+                         f"w_down {tuple(w_down.shape)}, {w_gate.device})")
+
+
+def expert_weights_like(recipe: Recipe, gate_shape, down_shape, device) -> list[torch.Tensor]:
+    """Empty tensors shaped as `expert_weights(...).tensors()`."""
+    num_experts, inter, hidden = gate_shape
+    if not recipe.fp8_gemm:
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        return [torch.empty(gate_shape, **bf16)] * 2 + [torch.empty(down_shape, **bf16)] * 2 + \
+            [torch.empty(gate_shape, **bf16)] * 2
+    fp8, f32 = dict(dtype=torch.float8_e4m3fn, device=device), dict(dtype=torch.float32, device=device)
+    nb = recipe.weight_block[0]
+    n_i, n_h = math.ceil(inter / nb), math.ceil(hidden / nb)
+    shapes = [((num_experts, 2 * inter, hidden), (num_experts, 2 * n_i, n_h)),
+              ((num_experts, hidden, inter), (num_experts, n_h, n_i)),
+              ((num_experts, inter, hidden), (num_experts, n_i, n_h)),
+              ((num_experts, hidden, 2 * inter), (num_experts, n_h, 2 * n_i))]
+    return [t for data, scale in shapes for t in (torch.empty(data, **fp8), torch.empty(scale, **f32))]
+
+
 def _gathered(ops, q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
     """The schedule's rows of a row-quantized token tensor (padding rows: zero data and scale)."""
     return q._replace(data=ops.gather(q.data.view(torch.uint8), schedule).view(q.data.dtype),
@@ -177,38 +248,43 @@ def _packed(q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
     return q._replace(data=q.data.view(torch.uint8)[index].view(q.data.dtype), scale=q.scale[index])
 
 
-def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit):
+def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit,
+            made: ExpertWeights | None = None):
     """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
     at EP (quantized after the pull), None at EP=1, where the tokens are quantized once and their rows
     gathered in E4M3 (row blocks do not depend on the row order: the same bits, a k-th of the work).
-    w_down None: what backward keeps only (recomputation), (None, Kept)."""
+    w_down None: what backward keeps only (recomputation), (None, Kept). made: the weights already in the
+    GEMMs' form (`expert_weights`), else they are quantized here."""
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
-        gate_up_rows = ops.fp8_grouped_gemm(x_q, _gate_up_weights(recipe, w_gate, w_up, 2), schedule)
+        gate_up_w = made.gate_up if made is not None else _gate_up_weights(recipe, w_gate, w_up, 2)
+        gate_up_rows = ops.fp8_grouped_gemm(x_q, gate_up_w, schedule)
         h = ops.swiglu(gate_up_rows, swiglu_limit)
         gate_up = _packed(recipe.rows(gate_up_rows)[0], schedule)  # kept packed, as BF16 keeps it
     else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
         x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
-        gate_up, h = ops.gate_up_swiglu(x_deq, recipe.weight(w_gate, 2), recipe.weight(w_up, 2), schedule,
-                                        swiglu_limit, a_rows=None if x_rows is None else x_deq)
+        gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
+        gate_up, h = ops.gate_up_swiglu(x_deq, gate_w, up_w, schedule, swiglu_limit,
+                                        a_rows=None if x_rows is None else x_deq)
         gate_up = recipe.rows(gate_up, keep=True)[0]
     kept = Kept(gate_up, recipe.tokens(h, keep=True)[0])
     if w_down is None:
         return None, kept
     h_q, h_deq = recipe.rows(h)
+    down_w = made.down if made is not None else recipe.weight(w_down, 2)
     if recipe.fp8_gemm:
-        out = ops.fp8_grouped_gemm(h_q, recipe.weight(w_down, 2), schedule)
+        out = ops.fp8_grouped_gemm(h_q, down_w, schedule)
     else:
-        out = ops.down(h_deq, recipe.weight(w_down, 2), schedule)
+        out = ops.down(h_deq, down_w, schedule)
     return out, kept
 
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
-             schedule: Schedule, swiglu_limit):
+             schedule: Schedule, swiglu_limit, made: ExpertWeights | None = None):
     """Gradients of the routed experts from d_y and x [N, H] (bf16), their rows [R, H] pulled at EP (None at
     EP=1: the quantization passes read the tokens' rows through the schedule, no bf16 rows are made) and the
     group's router weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up,
-    d_w_down)."""
+    d_w_down). made: as in `forward`."""
     dtype = x.dtype
     at_ep1 = d_y_rows is None
     row_rw = stages.row_weights(router_weights, schedule).float()  # [R], 0 on padding rows
@@ -220,19 +296,23 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
 
     if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
         d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
-        d_h_raw = ops.fp8_grouped_gemm(d_y_q, recipe.weight(w_down, 1), schedule)
+        d_h_raw = ops.fp8_grouped_gemm(d_y_q, made.down_t if made is not None else recipe.weight(w_down, 1),
+                                       schedule)
         d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw, swiglu_limit)
     else:
         d_y_deq = rows_quantized(d_y, d_y_rows, recipe.rows)[1]
-        d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, recipe.weight(w_down, 1),
+        d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, made.down_t if made is not None else
+                                                        recipe.weight(w_down, 1),
                                                         dequantize(kept.gate_up, dtype), router_weights,
                                                         schedule, swiglu_limit)
         del d_y_deq
     d_gate_up_q, d_gate_up_deq = recipe.rows(d_gate_up)
     if recipe.fp8_gemm:
-        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, _gate_up_weights(recipe, w_gate, w_up, 1), schedule)
+        gate_up_t = made.gate_up_t if made is not None else _gate_up_weights(recipe, w_gate, w_up, 1)
+        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, gate_up_t, schedule)
     else:
-        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, recipe.weight(w_gate, 1), recipe.weight(w_up, 1), schedule)
+        gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
+        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, gate_t, up_t, schedule)
     del d_gate_up_q, d_gate_up_deq
     # weight gradients: operands along tokens
     d_y_tokens, d_y_tokens_deq = rows_quantized(d_y, d_y_rows,

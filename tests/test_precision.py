@@ -33,9 +33,10 @@ def _inputs(num_tokens, hidden, inter, experts, top_k, kind, device=DEVICE, seed
     return x, rw, ids, weights, d_y
 
 
-def _layer(x, rw, ids, weights, d_y, config, swiglu_limit=None):
+def _layer(x, rw, ids, weights, d_y, config, swiglu_limit=None, expert_weights=None):
     leaves = [t.detach().clone().requires_grad_() for t in (x, rw, *weights)]
-    y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:], config=config, swiglu_limit=swiglu_limit)
+    y = serval.moe(leaves[0], leaves[1], ids, *leaves[2:], config=config, swiglu_limit=swiglu_limit,
+                   expert_weights=expert_weights)
     return (y.detach(), *torch.autograd.grad(y, leaves, d_y))
 
 
@@ -133,6 +134,59 @@ def test_torch_compile_fullgraph(precision):
     grads = torch.autograd.grad(loss, inputs)
     assert torch.equal(loss, eager)
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+
+
+@pytest.mark.parametrize("precision,backend", [("mxfp8", "torch"), ("fp8_blockwise", "torch"),
+                                               ("fp8_blockwise", "triton")])
+def test_expert_weights_quantized_once_give_the_same_bits(precision, backend):
+    """serval.quantize_expert_weights once, then every call (and, on the torch stages, a recomputing one) with
+    expert_weights: the same bits as quantizing in each call, gradients included. backend "triton": the FP8
+    kernels (the interpreter on CPU)."""
+    if backend == "triton" and DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels on CPU tensors need the interpreter")
+    x, rw, ids, weights, d_y = _inputs(24, 128, 128, 3, 2, "random")
+    made = serval.quantize_expert_weights(*weights, precision)
+    for recompute in (False, True) if backend == "torch" else (False,):
+        config = serval.Config(precision=precision, backend=backend, recompute=recompute)
+        want = _layer(x, rw, ids, weights, d_y, config, swiglu_limit=1.5)
+        got = _layer(x, rw, ids, weights, d_y, config, swiglu_limit=1.5, expert_weights=made)
+        for name, a, b in zip(NAMES, got, want):
+            assert torch.equal(a, b), (name, recompute)
+
+
+def test_expert_weights_errors():
+    x, rw, ids, weights, _ = _inputs(16, 128, 128, 4, 2, "random", device="cpu")
+    made = serval.quantize_expert_weights(*weights, "fp8_blockwise")
+    with pytest.raises(ValueError, match="expert_weights is for the FP8 precisions"):
+        serval.moe(x, rw, ids, *weights, expert_weights=made)
+    with pytest.raises(ValueError, match=r"expert_weights must be serval.quantize_expert_weights\(.*'mxfp8'"):
+        serval.moe(x, rw, ids, *weights, config=serval.Config(precision="mxfp8"), expert_weights=made)
+    fewer = [w[:2] for w in weights]
+    with pytest.raises(ValueError, match="expert_weights must be"):
+        serval.moe(x, rw, ids.clamp(max=1), *fewer, config=serval.Config(precision="fp8_blockwise"),
+                   expert_weights=made)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        serval.quantize_expert_weights(*weights, "bf16")
+    with pytest.raises(ValueError, match="w_down must be a 3-D bfloat16 tensor"):
+        serval.quantize_expert_weights(weights[0], weights[1], weights[2].float(), "mxfp8")
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise"])
+def test_expert_weights_under_torch_compile(precision):
+    """The pre-quantized weights ride the custom ops as a tensor list: fullgraph compile, the eager bits."""
+    x, rw, ids, weights, _ = _inputs(24, 128, 128, 4, 2, "random")
+    config = serval.Config(precision=precision)
+    made = serval.quantize_expert_weights(*weights, precision)
+
+    def step(x, rw, wg, wu, wd):
+        return serval.moe(x, rw, ids, wg, wu, wd, config=config, expert_weights=made).float().square().sum()
+
+    inputs = [t.detach().clone().requires_grad_() for t in (x, rw, *weights)]
+    eager = step(*inputs)
+    eager_grads = torch.autograd.grad(eager, inputs)
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(*inputs)
+    assert torch.equal(loss, eager)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, inputs), eager_grads))
 
 
 @requires_cuda
