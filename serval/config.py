@@ -36,8 +36,9 @@ class Config:
         backward's second pull, x's rows for the gate/up weight gradient, stays staged); 0: the transport's
         pull kernel runs before the GEMM (the staged path); None: the kernel plan's choice
         (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: the forward's staged pull measured
-        faster at EP=2, a measurement to repeat (docs/DESIGN.md); the backward's in-GEMM pull is not measured). Nothing to move at EP=1,
-        on the torch stages or in FP8 (whose rows are pulled, then quantized): no effect there. Never changes
+        faster at EP=2, a measurement to repeat (docs/DESIGN.md); the backward's in-GEMM pull is not measured).
+        Nothing to move at EP=1, on the torch stages or in FP8 (whose rows are pulled, then quantized): no
+        effect there. Never changes
         results.
     minibatch_size: rows per compute/communication overlap step, a multiple of block_m: in a GEMM that pulls
         its rows (comm_sms_* > 0), the compute programs take every output tile of one minibatch's rows before

@@ -137,8 +137,8 @@ if gluon_common.GLUON:
                 count += 1
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
-                  expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
+    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
+                  tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
                   stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
                   CONSUMER: gl.constexpr, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
@@ -203,11 +203,12 @@ if gluon_common.GLUON:
                          mask=out_row_ok & (out_cols < N)[None, :])
 
     @gluon.jit
-    def _fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr, expert_offsets_ptr,
-                    num_experts, sched_block_m, M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n,
-                    stride_bs_k, stride_out_e, stride_out_m, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
-                    EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    def _fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+                    expert_offsets_ptr, num_experts, sched_block_m, M, N, K, stride_as_m, stride_as_k,
+                    stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m, SEGMENT: gl.constexpr,
+                    B_SCALE_GROUP: gl.constexpr, EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    LOADER_REGS: gl.constexpr):
         """See the module docstring. "rows": M = R rows, K = K, out [R, N]. "k": M rows of a [M, R], N rows of
         b [N, R], K = R, out [E, M, N]."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -235,14 +236,14 @@ if gluon_common.GLUON:
             num_m_tiles = gl.cdiv(M, BLOCK_M)
             num_tiles = num_experts * num_m_tiles * num_n_tiles
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
-                         expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
-                         stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
-                         0, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
-            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
-                         expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
-                         stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
-                         1, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
+                         tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
+                         M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
+                         stride_out_m, 0, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+            (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
+                         tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
+                         M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
+                         stride_out_m, 1, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
             (_loader, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                        tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N,
                        K, stride_as_k, stride_bs_k, SEGMENT, GROUP_M, STAGES, NUM_PROGRAMS)),
