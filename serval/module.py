@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .api import FLOAT_DTYPES, check_swiglu_limit, moe
+from .api import FLOAT_DTYPES, check_swiglu_limit, moe, quantize_expert_weights
 from .config import Config
 
 
@@ -92,8 +92,15 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """y [..., hidden_size] for x [..., hidden_size] (the module's dtype and device)."""
+    def quantize_expert_weights(self):
+        """The routed experts' weights in the form the GEMMs of the module's FP8 precision read
+        (`serval.quantize_expert_weights`): make them after each optimizer step and pass them to every
+        micro-batch's forward (`expert_weights=`), so that the step quantizes the weights once."""
+        return quantize_expert_weights(self.w_gate, self.w_up, self.w_down, self.config.precision)
+
+    def forward(self, x: torch.Tensor, expert_weights=None) -> torch.Tensor:
+        """y [..., hidden_size] for x [..., hidden_size] (the module's dtype and device); expert_weights: this
+        step's `quantize_expert_weights()` (FP8 precisions; None: quantized in the call)."""
         self._check_input(x)
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size).contiguous()
@@ -102,7 +109,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             shared = (self.shared["gate"].weight, self.shared["up"].weight, self.shared["down"].weight)
         y = moe(tokens, router_weights, topk_ids, self.w_gate, self.w_up, self.w_down, shared,
-                group=self.group, config=self.config, swiglu_limit=self.swiglu_limit)
+                group=self.group, config=self.config, swiglu_limit=self.swiglu_limit, expert_weights=expert_weights)
         return y.view(shape)
 
     def _check_input(self, x) -> None:

@@ -39,7 +39,7 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
 
 
 def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs,
-           precision="bf16", inter=I, fused_forward=False):
+           precision="bf16", inter=I, fused_forward=False, quantize_weights_once=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
@@ -80,8 +80,10 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
                 layer_grads(*local, group=group, config=config)
             dist.barrier()  # leave together: a gloo peer that exits early can abort the others (std::terminate)
             return
-        ep = layer_grads(*local, group=group, config=config)
-        again = layer_grads(*local, group=group, config=config)
+        # quantize_weights_once: the rank's FP8 expert weights made once (serval.quantize_expert_weights)
+        made = serval.quantize_expert_weights(*local[3], precision) if quantize_weights_once else None
+        ep = layer_grads(*local, group=group, config=config, expert_weights=made)
+        again = layer_grads(*local, group=group, config=config, expert_weights=made)
         assert all(torch.equal(a, b) for a, b in zip(ep, again)), "EP run is not repeatable"
         full = layer_grads(x, rw, ids, weights, shared, d_y,
                            config=serval.Config(block_m=block_m, backend=backend, precision=precision))
@@ -222,11 +224,12 @@ def test_ep_rank_that_stops_on_one_gpu(tmp_path, monkeypatch):
 
 
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
-        pull_programs=0, precision="bf16", inter=I, fused_forward=False):
+        pull_programs=0, precision="bf16", inter=I, fused_forward=False, quantize_weights_once=False):
     """pull_programs: Config.comm_sms_forward and comm_sms_backward in the ranks (the gate/up GEMM and the down
     dgrad pulling their own rows). fused_forward: the forward in one launch (KernelPlan.fused_forward)."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
-                           pull_programs, precision, inter, fused_forward), nprocs=world_size, join=True)
+                           pull_programs, precision, inter, fused_forward, quantize_weights_once), nprocs=world_size,
+             join=True)
 
 
 def push_worker(rank, world_size, init_file):
@@ -270,6 +273,11 @@ def test_ep_bitwise_equals_ep1(world_size, tmp_path):
 @pytest.mark.parametrize("precision,inter", [("mxfp8", I), ("fp8_blockwise", 128)])
 def test_ep_fp8_bitwise_equals_ep1(precision, inter, tmp_path):
     run(2, tmp_path, precision=precision, inter=inter)
+
+
+def test_ep_fp8_expert_weights_made_once(tmp_path):
+    """Each rank passes its experts' weights quantized once (serval.quantize_expert_weights): bitwise EP=1."""
+    run(2, tmp_path, precision="fp8_blockwise", inter=128, quantize_weights_once=True)
 
 
 def test_ep_skewed_routing_fits_with_capacity(tmp_path):

@@ -154,6 +154,17 @@ def test_expert_weights_quantized_once_give_the_same_bits(precision, backend):
             assert torch.equal(a, b), (name, recompute)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_module_expert_weights(precision):
+    """serval.MoE.quantize_expert_weights() once, then forward(x, expert_weights=...): the bits of forward(x)."""
+    torch.manual_seed(0)
+    layer = serval.MoE(128, 128, 4, 2, config=serval.Config(precision=precision), device=DEVICE,
+                       dtype=torch.bfloat16)
+    x = torch.randn(3, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    made = layer.quantize_expert_weights()
+    assert torch.equal(layer(x, expert_weights=made), layer(x))
+
+
 def test_expert_weights_errors():
     x, rw, ids, weights, _ = _inputs(16, 128, 128, 4, 2, "random", device="cpu")
     made = serval.quantize_expert_weights(*weights, "fp8_blockwise")
