@@ -205,10 +205,10 @@ def expert_weights(recipe: Recipe, w_gate, w_up, w_down) -> ExpertWeights:
 def check_expert_weights(recipe: Recipe, made: ExpertWeights, w_gate, w_down) -> None:
     """ValueError unless `made` is what `expert_weights(recipe, w_gate, w_up, w_down)` returns for weights of
     these shapes (the values are the caller's to keep current: quantize again after each optimizer step)."""
-    want = expert_weights_like(recipe, w_gate.shape, w_down.shape, w_gate.device)
+    want = expert_weights_like(recipe, w_gate.shape, w_down.shape, "meta")  # shapes and dtypes, no memory
     got = made.tensors() if isinstance(made, ExpertWeights) else None
     if got is None or len(got) != len(want) or any(
-            g.shape != w.shape or g.dtype != w.dtype or g.device != w.device for g, w in zip(got, want)):
+            g.shape != w.shape or g.dtype != w.dtype or g.device != w_gate.device for g, w in zip(got, want)):
         raise ValueError(f"expert_weights must be serval.quantize_expert_weights(w_gate, w_up, w_down, "
                          f"precision={recipe.name!r}) of this layer's weights (w_gate {tuple(w_gate.shape)}, "
                          f"w_down {tuple(w_down.shape)}, {w_gate.device})")
