@@ -66,8 +66,8 @@ class Fp8Config:
 def choose_config(n: int, weight_grad: bool = False) -> Fp8Config:
     """128-wide N tiles (the widest whose 64 + 64 fp32 registers fit a consumer), 64 for outputs no wider than
     64. The row-grouped GEMMs take as many stages as fit 227 KB beside ~8 KB of epilogue scratch (6 of 33 KB,
-    8 of 24.8 KB); the weight gradient 4, measured as fast or faster on the H200 (its K loops are one expert's
-    rows: kimi-k2's gate/up 775 against 681 TFLOP/s with 6)."""
+    8 of 24.8 KB); the weight gradient 4 (its K loops are one expert's rows, a few dozen steps; on the H200, 4
+    was within the call-to-call spread of 6 or ahead of it, docs/reports/2026-12-02-fp8-scales-quantizer.md)."""
     if n <= 64:
         return Fp8Config(block_n=64, stages=4 if weight_grad else 8)
     return Fp8Config(block_n=128, stages=4 if weight_grad else 6)
