@@ -136,18 +136,15 @@ def test_torch_compile_fullgraph(precision):
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
-@pytest.mark.parametrize("precision,backend", [("mxfp8", "torch"), ("fp8_blockwise", "torch"),
-                                               ("fp8_blockwise", "triton")])
-def test_expert_weights_quantized_once_give_the_same_bits(precision, backend):
-    """serval.quantize_expert_weights once, then every call (and, on the torch stages, a recomputing one) with
-    expert_weights: the same bits as quantizing in each call, gradients included. backend "triton": the FP8
-    kernels (the interpreter on CPU)."""
-    if backend == "triton" and DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the kernels on CPU tensors need the interpreter")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_expert_weights_quantized_once_give_the_same_bits(precision):
+    """serval.quantize_expert_weights once, then every call (and a recomputing one) with expert_weights: the same
+    bits as quantizing in each call, gradients included (the kernels on a GPU; on CPU the torch stages, which
+    take the weights through the same code as the kernels)."""
     x, rw, ids, weights, d_y = _inputs(24, 128, 128, 3, 2, "random")
     made = serval.quantize_expert_weights(*weights, precision)
-    for recompute in (False, True) if backend == "torch" else (False,):
-        config = serval.Config(precision=precision, backend=backend, recompute=recompute)
+    for recompute in (False, True):
+        config = serval.Config(precision=precision, recompute=recompute)
         want = _layer(x, rw, ids, weights, d_y, config, swiglu_limit=1.5)
         got = _layer(x, rw, ids, weights, d_y, config, swiglu_limit=1.5, expert_weights=made)
         for name, a, b in zip(NAMES, got, want):
