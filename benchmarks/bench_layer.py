@@ -6,7 +6,9 @@ Implementations (same inputs, same function, gradients by autograd):
                     serval.plan.KernelPlan that serval.plan.choose_plan picks for the shape and the GPU says;
                     on the CPU its torch-op stages
   serval PRECISION  serval.moe with Config(precision=PRECISION), for each FP8 precision in --precisions (recorded as
-                    impl "serval" with that "precision"; timed when within 0.1 of the bf16 reference)
+                    impl "serval" with that "precision"; timed when within 0.1 of the bf16 reference); with
+                    --fp8-weights both also as impl "serval (weights once per step)": the expert weights quantized
+                    once (serval.quantize_expert_weights) and passed in, as gradient accumulation does per step
   serval (NAME)     serval.moe with the Config of --variant "NAME: ..." (below); on the CPU, "backend=triton"
                     runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set when there is no GPU)
   torch_grouped_mm  plain PyTorch: sort, gather, torch._grouped_mm, SiLU*up, _grouped_mm, fixed-order combine
@@ -340,20 +342,31 @@ def hf_loop(p, topk_ids):
     return y.to(x.dtype)
 
 
-def serval_impl(settings=()):
+def serval_impl(settings=(), weights_once_per_step=False):
     """serval.moe with the Config of a variant's settings (`variant_config`; none: the default), built once
-    per (H, dtype, device), outside the timed calls."""
+    per (H, dtype, device), outside the timed calls. weights_once_per_step (an FP8 precision): the expert
+    weights quantized by `serval.quantize_expert_weights` when they change (their storage or version: once per
+    optimizer step in training), so the timed calls, like a step's further micro-batches, reuse them."""
     import serval
 
-    configs = {}
+    configs, made = {}, {}
 
     def impl(p, topk_ids):
         x = p["x"]
         key = (x.shape[1], x.dtype, x.device)
         if key not in configs:
             configs[key] = variant_config(settings, x)
+        config = configs[key]
+        expert_weights = None
+        if weights_once_per_step:
+            weights = (p["w_gate"], p["w_up"], p["w_down"])
+            version = tuple((w.data_ptr(), w._version) for w in weights)
+            if made.get("version") != version:
+                made["version"] = version
+                made["weights"] = serval.quantize_expert_weights(*(w.detach() for w in weights), config.precision)
+            expert_weights = made["weights"]
         return serval.moe(x, p["router_weights"], topk_ids, p["w_gate"], p["w_up"], p["w_down"], shared=shared_of(p),
-                          config=configs[key])
+                          config=config, expert_weights=expert_weights)
 
     return impl
 
@@ -800,7 +813,9 @@ def bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, s
     p = make_params(inp, scope)
     p = prepare(p) if prepare else p
     tag = f"{shape_name:<16} {scope:<6} {name:<17}"
-    label = name.split(" ")[0] if precision != "bf16" else name  # "serval mxfp8" is impl serval, precision mxfp8
+    # "serval mxfp8" is impl serval, precision mxfp8; "serval mxfp8 (weights once per step)" impl "serval (weights
+    # once per step)"; the FP8 baselines keep their names
+    label = name.replace(f" {precision}", "") if precision != "bf16" else name
     tol = max(args.tol, FP8_TOL) if precision != "bf16" else args.tol
     settings = [f"{path}={value!r}" for path, value in settings] if settings is not None else None
     records = [dict(shape=shape_name, impl=label, precision=precision, settings=settings, scope=scope, **{"pass": ps}, ms=None, tflops=None,
@@ -861,6 +876,10 @@ def main():
     parser.add_argument("--precisions", default="bf16",
                         help=f"comma-separated precisions of serval's routed experts ({', '.join(PRECISIONS)}): each "
                              "other than bf16 runs too, recorded as impl serval with that precision")
+    parser.add_argument("--fp8-weights", choices=("per-call", "both"), default="per-call",
+                        help="per-call: serval's FP8 precisions quantize the expert weights in every call; both: "
+                             "also as impl 'serval (weights once per step)', the weights quantized once and passed "
+                             "as expert_weights (gradient accumulation: once per optimizer step)")
     parser.add_argument("--variant", action="append", default=[],
                         help="'NAME: FIELD=VALUE; ...': serval with these KernelPlan / Config fields, too, as impl "
                              "'serval (NAME)' (see above)")
@@ -886,6 +905,10 @@ def main():
         names = list(impls)
         at = names.index("serval") + 1 if "serval" in names else len(names)
         runs = [(f"serval {p}", (serval_impl((("precision", p),)), None, None, p)) for p in precisions if p != "bf16"]
+        if args.fp8_weights == "both":
+            runs += [(f"serval {p} (weights once per step)",
+                      (serval_impl((("precision", p),), weights_once_per_step=True), None, None, p))
+                     for p in precisions if p != "bf16"]
         runs += [(f"serval ({label})", (serval_impl(settings), None, settings, "bf16")) for label, settings in variants]
         impls = dict([(n, impls[n]) for n in names[:at]] + runs + [(n, impls[n]) for n in names[at:]])
     info = env_info(device)

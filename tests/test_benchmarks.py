@@ -118,6 +118,20 @@ def test_bench_layer_tiny(tmp_path):
         assert r["rel_err"] < 3e-2 and r["soak_s"] == 0.1 and r["settings"] is None
 
 
+def test_bench_layer_fp8_weights_once_per_step(tmp_path):
+    """--fp8-weights both: each FP8 precision also as impl "serval (weights once per step)" (the expert weights
+    quantized once and passed in), checked and timed like the per-call one."""
+    out = tmp_path / "records.json"
+    run_script(os.path.join(BENCHMARKS, "bench_layer.py"), "--tiny", "--shapes", "tiny-a", "--scopes", "routed",
+               "--passes", "fwdbwd", "--impls", "serval", "--precisions", "bf16,mxfp8", "--fp8-weights", "both",
+               "--iters", "2", "--warmup", "1", "--soak", "0", "--out", str(out))
+    records = [r for r in json.load(open(out)) if r["scope"] != "dense"]
+    assert sorted((r["impl"], r["precision"]) for r in records) == [
+        ("serval", "bf16"), ("serval", "mxfp8"), ("serval (weights once per step)", "mxfp8")]
+    for r in records:
+        assert r["error"] is None and r["ms"] > 0 and r["tflops"] > 0, r
+
+
 def test_bench_fused_forward_tiny(tmp_path):
     """bench_fused_forward.py --tiny: the staged and the fused forward GEMMs (the interpreter on the CPU), each fused
     minibatch bit for bit the staged, all timed and recorded."""
