@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_layer  # noqa: E402  (puts this checkout's serval first on the path; without a GPU, TRITON_INTERPRET=1)
 from shapes import SHAPES, TINY_SHAPES  # noqa: E402
 
-from serval.kernels import common, fused_forward as ff, rows, triton_gemm  # noqa: E402
+from serval.kernels import common, fused_pass as ff, rows, triton_gemm  # noqa: E402
 from serval.plan import TileConfig, choose_plan  # noqa: E402
 from serval.schedule import build_schedule  # noqa: E402
 

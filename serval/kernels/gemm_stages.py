@@ -19,7 +19,7 @@ from ..overlap import layer_minibatch_rows
 from ..peers import PeerSlots, PeerTokens
 from ..plan import KernelPlan, TileConfig
 from ..schedule import Schedule
-from . import common, fused_forward, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
+from . import common, fused_pass, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
 from .rows import gather as gather_rows
 
 
@@ -91,10 +91,10 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
     else:
         a_rows = gather_rows(x, schedule)
     block_m = min(plan.gate_up_tiles.block_m, schedule.block_m)
-    sync = fused_forward.new_sync(schedule.capacity // block_m, x.device)  # zeros: three small fills, no sync
-    return fused_forward.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit, plan.gate_up_tiles,
-                                       plan.down_tiles, plan.use_tma, plan.minibatch_rows, sync, pull=pull,
-                                       push_to=push_to)
+    sync = fused_pass.new_sync(schedule.capacity // block_m, x.device)  # zeros: three small fills, no sync
+    return fused_pass.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit, plan.gate_up_tiles,
+                                    plan.down_tiles, plan.use_tma, plan.minibatch_rows, sync, pull=pull,
+                                    push_to=push_to)
 
 
 def down(h, w_down, schedule: Schedule, *, plan: KernelPlan, push_to: PeerSlots | None = None):

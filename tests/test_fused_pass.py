@@ -23,7 +23,7 @@ os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
 
 from conftest import check_sync_free_and_graph_replay  # noqa: E402
 from sm90 import compile_in_child  # noqa: E402
-from serval.kernels import common, fused_forward as ff, rows, triton_gemm  # noqa: E402
+from serval.kernels import common, fused_pass as ff, rows, triton_gemm  # noqa: E402
 from serval.plan import KernelPlan, TileConfig  # noqa: E402
 from serval.schedule import build_schedule  # noqa: E402
 
@@ -123,19 +123,19 @@ ORDER_SIZES = [(0, 3, 2, 1), (1, 1, 1, 1), (1, 3, 4, 5), (5, 2, 3, 1), (5, 2, 3,
 
 
 def check_order(order, num_m, n_gu, n_dn, mb):
-    everything = [(ff.GATE_UP, m, n) for m in range(num_m) for n in range(n_gu)] + \
-                 [(ff.DOWN, m, n) for m in range(num_m) for n in range(n_dn)]
+    everything = [(ff.FIRST, m, n) for m in range(num_m) for n in range(n_gu)] + \
+                 [(ff.SECOND, m, n) for m in range(num_m) for n in range(n_dn)]
     assert sorted(order) == sorted(everything) and len(order) == len(everything)  # every task exactly once
     position = {task: i for i, task in enumerate(order)}
     for m in range(num_m):  # a down tile comes after every gate/up tile of its M-tile
-        last_gate_up = max(position[(ff.GATE_UP, m, n)] for n in range(n_gu))
-        assert all(position[(ff.DOWN, m, n)] > last_gate_up for n in range(n_dn))
+        last_gate_up = max(position[(ff.FIRST, m, n)] for n in range(n_gu))
+        assert all(position[(ff.SECOND, m, n)] > last_gate_up for n in range(n_dn))
     # minibatch by minibatch: GU(0), GU(1), DN(0), GU(2), DN(1), ..., DN(last)
     segments = [(gemm, m // mb) for gemm, m, _ in order]
     runs = [s for i, s in enumerate(segments) if i == 0 or s != segments[i - 1]]
     num_minibatches = -(-num_m // mb)
-    want = [(ff.GATE_UP, 0)] + [s for b in range(1, num_minibatches) for s in ((ff.GATE_UP, b), (ff.DOWN, b - 1))]
-    assert runs == (want + [(ff.DOWN, num_minibatches - 1)] if num_m else [])
+    want = [(ff.FIRST, 0)] + [s for b in range(1, num_minibatches) for s in ((ff.FIRST, b), (ff.SECOND, b - 1))]
+    assert runs == (want + [(ff.SECOND, num_minibatches - 1)] if num_m else [])
 
 
 @pytest.mark.parametrize("num_m, n_gu, n_dn, mb", ORDER_SIZES)
@@ -145,7 +145,7 @@ def test_task_order(num_m, n_gu, n_dn, mb):
 
 def test_task_order_small_example():
     """3 M-tiles, minibatches of 2, gate/up 2 N-tiles, down 1: within a minibatch M-tiles vary fastest (GROUP_M)."""
-    G, D = ff.GATE_UP, ff.DOWN
+    G, D = ff.FIRST, ff.SECOND
     assert ff.task_order(3, 2, 1, 2) == [(G, 0, 0), (G, 1, 0), (G, 0, 1), (G, 1, 1),  # GU(0)
                                          (G, 2, 0), (G, 2, 1),  # GU(1)
                                          (D, 0, 0), (D, 1, 0),  # DN(0)
@@ -160,7 +160,7 @@ def test_task_order_is_each_gemms_staged_order(group_m):
     order = ff.task_order(num_m, n_gu, n_dn, mb, group_m)
     check_order(order, num_m, n_gu, n_dn, mb)
     group = group_m or mb
-    for gemm, n in ((ff.GATE_UP, n_gu), (ff.DOWN, n_dn)):
+    for gemm, n in ((ff.FIRST, n_gu), (ff.SECOND, n_dn)):
         assert [t[1:] for t in order if t[0] == gemm] == [ff._tile_coords(i, num_m, n, group) for i in range(num_m * n)]
 
 
@@ -178,7 +178,7 @@ def test_task_order_errors():
         ff.task_order(9, 2, 2, 4, 3)  # minibatches of 4 M-tiles would not start on groups of 3
     with pytest.raises(ValueError, match="minibatch_m_tiles"):
         ff.task_order(3, 2, 2, 0)
-    with pytest.raises(ValueError, match="n_tiles_down"):
+    with pytest.raises(ValueError, match="n_tiles_second"):
         ff.task_order(3, 2, 0, 1)
     with pytest.raises(ValueError, match="num_m_tiles"):
         ff.task_order(-1, 2, 2, 1)
@@ -293,6 +293,96 @@ def test_argument_errors():
         ff.new_sync(-1, DEVICE)
 
 
+# ---------------------------------------------------------------- the fused backward == staged, bit for bit
+
+DGRAD_TILES = TileConfig(BLOCK_M, 32, 32, group_m=2, epi_split=2)  # the interpreter plan's dgrad tiles
+BACKWARD_NAMES = ("d_gate_up", "h_weighted", "d_rw_partial", "d_x_rows")
+
+
+def backward_case(routing, limit, device=DEVICE, **sizes):
+    """A forward case plus the backward's inputs: d_y's rows (padding rows zero), the packed gate_up the forward
+    keeps, router weights fp32 by source."""
+    case = make_case(routing, device=device, **sizes)
+    schedule = case["schedule"]
+    g = torch.Generator().manual_seed(7)
+    d_y = torch.randn(case["a_rows"].shape, generator=g).to(device, torch.bfloat16)
+    case["d_y_rows"] = d_y * (schedule.row_source >= 0)[:, None]
+    case["gate_up"], _ = triton_gemm.gate_up_swiglu(case["a_rows"], case["w_gate"], case["w_up"], schedule, limit,
+                                                    TILES, False)
+    case["router_weights"] = torch.rand(schedule.capacity, generator=g).to(device)  # capacity >= the sources
+    return case
+
+
+def staged_backward(case, limit, dgrad_tiles=DGRAD_TILES, gate_up_dgrad_tiles=TILES, use_tma=True):
+    d_gate_up, h_weighted, d_rw_partial = triton_gemm.down_dgrad_swiglu_partials(
+        case["d_y_rows"], case["w_down"], case["gate_up"], case["router_weights"], case["schedule"], limit,
+        dgrad_tiles, use_tma)
+    d_x_rows = triton_gemm.gate_up_dgrad(d_gate_up, case["w_gate"], case["w_up"], case["schedule"],
+                                         gate_up_dgrad_tiles, use_tma)
+    return d_gate_up, h_weighted, d_rw_partial, d_x_rows
+
+
+def fused_backward(case, limit, minibatch_rows, sync=None, dgrad_tiles=DGRAD_TILES, gate_up_dgrad_tiles=TILES,
+                   use_tma=True):
+    schedule = case["schedule"]
+    if sync is None:
+        sync = ff.new_sync(schedule.capacity // min(dgrad_tiles.block_m, schedule.block_m), case["d_y_rows"].device)
+    return ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+                             case["router_weights"], schedule, limit, dgrad_tiles, gate_up_dgrad_tiles, use_tma,
+                             minibatch_rows, sync)
+
+
+def check_backward_written(out, schedule):
+    """Every used row of every output was written (no NaN poison left)."""
+    used = int(schedule.expert_offsets[-1])
+    for name, t in zip(BACKWARD_NAMES, out):
+        assert not torch.isnan(t[:used].float()).any(), f"{name}: an element the kernel did not write"
+
+
+BACKWARD_CASES = [("random", "1_tile", 0.5), ("random", "all", None), ("empty_experts", "mok", None),
+                  ("one_expert", "1_tile", 0.5), ("one_token", "2_tiles", 0.5)]
+
+
+@pytest.mark.parametrize("routing, minibatch, limit", BACKWARD_CASES)
+def test_fused_backward_equals_staged(routing, minibatch, limit):
+    case = backward_case(routing, limit)
+    got = fused_backward(case, limit, MINIBATCHES[minibatch])
+    assert_bitwise(got, staged_backward(case, limit), BACKWARD_NAMES)
+    check_backward_written(got, case["schedule"])
+
+
+def test_fused_backward_pointer_path_and_own_tiles():
+    """The pointer path, and each GEMM with its own BLOCK_N / BLOCK_K / epilogue split (one BLOCK_M)."""
+    case = backward_case("random", 0.5)
+    dgrad_tiles = TileConfig(BLOCK_M, 16, 64, group_m=3, epi_split=2, epi_tma_stores=True)
+    gate_up_dgrad_tiles = TileConfig(BLOCK_M, 64, 16, group_m=1, epi_split=4, flatten=False)
+    want = staged_backward(case, 0.5, dgrad_tiles, gate_up_dgrad_tiles, use_tma=False)
+    got = fused_backward(case, 0.5, 2 * BLOCK_M, dgrad_tiles=dgrad_tiles, gate_up_dgrad_tiles=gate_up_dgrad_tiles,
+                         use_tma=False)
+    assert_bitwise(got, want, BACKWARD_NAMES)
+
+
+def test_fused_backward_argument_errors():
+    case = backward_case("one_token", None)
+    schedule = case["schedule"]
+    sync = ff.new_sync(schedule.capacity // BLOCK_M, DEVICE)
+    args = dict(d_y_rows=case["d_y_rows"], w_down=case["w_down"], w_gate=case["w_gate"], w_up=case["w_up"],
+                gate_up=case["gate_up"], router_weights=case["router_weights"], schedule=schedule, swiglu_limit=None,
+                dgrad_tiles=DGRAD_TILES, gate_up_dgrad_tiles=TILES, use_tma=True, minibatch_rows=None, sync=sync)
+
+    def call(match, error=ValueError, **changes):
+        with pytest.raises(error, match=match):
+            ff.fused_backward(**{**args, **changes})
+
+    call("d_y_rows must be", d_y_rows=case["d_y_rows"][:-1])
+    call("gate_up must be", gate_up=case["gate_up"][:, :-1])
+    call("router_weights must be", router_weights=case["router_weights"].double())
+    call("w_down must be", w_down=case["w_down"].transpose(1, 2))
+    call("one block_m", gate_up_dgrad_tiles=dataclasses.replace(TILES, block_m=16))
+    call("dgrad_tiles.epi_split", dgrad_tiles=dataclasses.replace(TILES, epi_split=3))
+    call("sync.flags holds", sync=ff.new_sync(schedule.capacity // BLOCK_M - 1, DEVICE))
+
+
 # ---------------------------------------------------------------- sm_90a, without a GPU
 
 COMPILE_CHILD = r"""
@@ -300,7 +390,7 @@ import sys
 import torch
 sys.path.insert(0, "tests")
 from sm90 import compile_launch_in_this_child
-from serval.kernels import fused_forward as ff
+from serval.kernels import fused_pass as ff
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule
 
@@ -308,7 +398,7 @@ hidden, inter, E, N = int(sys.argv[1]), int(sys.argv[2]), 4, 256
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
-compile_launch_in_this_child(ff, "_fused_forward_kernel", lambda: ff.fused_forward(
+compile_launch_in_this_child(ff, "_fused_pass_kernel", lambda: ff.fused_forward(
     torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
     torch.zeros(E, inter, hidden, **bf16), torch.zeros(E, hidden, inter, **bf16), schedule, 7.0,
     plan.gate_up_tiles, plan.down_tiles, True, None, ff.new_sync(schedule.capacity // 128, "cpu")), sys.argv[3])
