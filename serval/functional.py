@@ -452,6 +452,33 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
     return dataclasses.replace(ctx, kept=kept, shared_gate_up=shared_gate_up)
 
 
+def _fused_dgrads(ops, d_y, row_router_weights, schedule: Schedule, gate_up, w_gate, w_up, w_down, swiglu_limit,
+                  workspace):
+    """(d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x rows, their schedule)) from one launch
+    (`down_dgrad_gate_up_dgrad`, KernelPlan.fused_backward). At EP its programs pull d_y's rows from the owners
+    into d_y_rows (which the down weight gradient reads next), compute, and push d_x's rows into the owners'
+    slots: the launch runs inside both transport phases (slots free, tokens published)."""
+    transport = _transport(workspace)
+    if transport is None:
+        d_y_rows = ops.gather(d_y, schedule)
+        d_gate_up, h_weighted, d_rw_rows, d_x_rows = ops.down_dgrad_gate_up_dgrad(
+            d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule, swiglu_limit)
+        return d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x_rows, schedule)
+    d_y_rows = torch.empty(schedule.capacity, d_y.shape[1], dtype=d_y.dtype, device=d_y.device)
+    made = {}
+
+    def write(target):
+        def consume(source):
+            made["d_gate_up"], made["h_weighted"], made["d_rw_rows"], _ = ops.down_dgrad_gate_up_dgrad(
+                d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule, swiglu_limit,
+                pull_from=source, pull_flags=workspace.pull_flags, push_to=target)
+        transport.pull_into(consume, d_y)
+
+    slots = transport.push_from(write, w_gate.shape[2], d_y.dtype)
+    return (d_y_rows, made["d_gate_up"], made["h_weighted"], made["d_rw_rows"],
+            (slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)))
+
+
 def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, gate_up, w_gate, w_up, w_down,
                      swiglu_limit, workspace, shared_d_x=None):
     """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down).
@@ -461,6 +488,17 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
     never made: the GEMM pushes them): the peak holds about two of them.
     """
     transport = _transport(workspace)
+    if ops.fuses_backward:
+        d_y_rows, d_gate_up, h_weighted, d_rw_rows, d_x_rows = _fused_dgrads(
+            ops, d_y, row_router_weights, schedule, gate_up, w_gate, w_up, w_down, swiglu_limit, workspace)
+        d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
+        del d_y_rows, h_weighted
+        d_x = ops.sum_slots(*d_x_rows, shared_d_x)
+        del d_x_rows
+        d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
+        x_rows = _rows_in(ops, x, schedule, transport)
+        d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
+        return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down
     if transport is not None and ops.pulls_in_dgrad:  # the dgrad's programs pull d_y's rows into d_y_rows
         d_y_rows = torch.empty(schedule.capacity, d_y.shape[1], dtype=d_y.dtype, device=d_y.device)
         d_gate_up, h_weighted, d_rw_rows = transport.pull_into(

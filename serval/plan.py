@@ -94,10 +94,13 @@ class KernelPlan:
     order's M-group, so one minibatch computes while the next arrives); None: MoK's rule, two full waves of
     tiles on the compute SMs (`serval.overlap.layer_minibatch_rows`).
     `fused_forward`: in bf16 the forward's routed gate/up and down GEMMs run as one persistent launch
-    (`serval.kernels.fused_forward`, the Triton tiles above, minibatch_rows its task order's minibatch); at EP
+    (`serval.kernels.fused_pass`, the Triton tiles above, minibatch_rows its task order's minibatch); at EP
     its first `pull_programs` programs (at least one) pull x's rows and its down tiles push o's rows into the
     owners' slots: dispatch, experts and combine in one launch. Off: measured slower than the staged launches at
     EP=1 (docs/reports/2026-12-02-fp8-wgrad-fusion-fused-forward.md); not measured at EP.
+    `fused_backward`: the same for the backward's down dgrad (with the SwiGLU backward) and gate/up dgrad: one
+    launch on the Triton tiles above; at EP its first `dgrad_pull_programs` programs (at least one) pull d_y's
+    rows and its gate/up dgrad tiles push d_x's rows into the owners' slots. Off: not timed yet.
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"
@@ -117,6 +120,7 @@ class KernelPlan:
     pull_block_c: int = 256
     minibatch_rows: int | None = None
     fused_forward: bool = False
+    fused_backward: bool = False
 
     def __post_init__(self):
         engines = {"gate_up_engine": ("triton", "cooperative"), "down_engine": ("triton", "cooperative"),
@@ -131,8 +135,9 @@ class KernelPlan:
         if self.minibatch_rows is not None and (not isinstance(self.minibatch_rows, int)
                                                 or isinstance(self.minibatch_rows, bool) or self.minibatch_rows < 1):
             raise ValueError(f"KernelPlan.minibatch_rows must be None or an int >= 1, got {self.minibatch_rows!r}")
-        if not isinstance(self.fused_forward, bool):
-            raise ValueError(f"KernelPlan.fused_forward must be a bool, got {self.fused_forward!r}")
+        for name in ("fused_forward", "fused_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelPlan.{name} must be a bool, got {getattr(self, name)!r}")
 
     def tiles(self, stage: str) -> TileConfig:
         """The Triton GEMM's tiles for one of STAGES."""

@@ -28,12 +28,14 @@ from .schedule import Schedule, packed_index, packed_rows
 
 # Whether down / gate_up_dgrad take `push_to` (write their rows into the EP owners' slots) and whether
 # gate_up_swiglu takes `pull_from` (reads its rows from the owners' buffers): torch ops cannot address peer
-# memory, so the layer pulls rows before these stages and pushes their rows after them. No stage runs the
-# forward's two GEMMs as one launch (`fuses_forward`, the kernels' `gate_up_down`).
+# memory, so the layer pulls rows before these stages and pushes their rows after them. No stage runs a pass's
+# two GEMMs as one launch (`fuses_forward` / `fuses_backward`, the kernels' `gate_up_down` /
+# `down_dgrad_gate_up_dgrad`).
 pushes_from_epilogue = False
 pulls_in_gemm = False
 pulls_in_dgrad = False
 fuses_forward = False
+fuses_backward = False
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -39,7 +39,7 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
 
 
 def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs,
-           precision="bf16", inter=I, fused_forward=False, quantize_weights_once=False):
+           precision="bf16", inter=I, fused=(), quantize_weights_once=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
@@ -60,11 +60,12 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         block_m = 128 if device == "cuda" or precision != "bf16" else 16
         # pull_programs: the gate/up GEMM and the down dgrad pull their own rows with that many programs (same
         # results)
-        # fused_forward: the forward's dispatch, routed GEMMs and combine in one launch (KernelPlan.fused_forward)
+        # fused: KernelPlan flags set (fused_forward: the forward's dispatch, routed GEMMs and combine in one
+        # launch; fused_backward: the backward's pull of d_y, dgrads and push of d_x in one launch)
         plan = None
-        if fused_forward:
+        if fused:
             from serval.kernels import common
-            plan = dataclasses.replace(choose_plan(x.shape[1], x.dtype, common.target()), fused_forward=True)
+            plan = dataclasses.replace(choose_plan(x.shape[1], x.dtype, common.target()), **dict.fromkeys(fused, True))
         config = serval.Config(block_m=block_m, backend=backend, capacity_multiplier=capacity_multiplier,
                                comm_sms_forward=pull_programs or None, comm_sms_backward=pull_programs or None,
                                minibatch_size=2 * block_m if pull_programs else None, precision=precision,
@@ -224,11 +225,11 @@ def test_ep_rank_that_stops_on_one_gpu(tmp_path, monkeypatch):
 
 
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
-        pull_programs=0, precision="bf16", inter=I, fused_forward=False, quantize_weights_once=False):
+        pull_programs=0, precision="bf16", inter=I, fused=(), quantize_weights_once=False):
     """pull_programs: Config.comm_sms_forward and comm_sms_backward in the ranks (the gate/up GEMM and the down
-    dgrad pulling their own rows). fused_forward: the forward in one launch (KernelPlan.fused_forward)."""
+    dgrad pulling their own rows). fused: KernelPlan flags set ("fused_forward", "fused_backward")."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
-                           pull_programs, precision, inter, fused_forward, quantize_weights_once), nprocs=world_size,
+                           pull_programs, precision, inter, fused, quantize_weights_once), nprocs=world_size,
              join=True)
 
 
@@ -296,18 +297,20 @@ def test_ep_triton_kernels_in_interpreter(pull_programs, tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
-def test_ep_fused_forward_in_interpreter(tmp_path):
-    """The forward's pull, routed GEMMs and combine push in one launch (KernelPlan.fused_forward, 2 pull
-    programs): bitwise equal to EP=1 (whose forward is the staged kernels)."""
-    run(2, tmp_path, backend="triton", pull_programs=2, fused_forward=True)
+def test_ep_fused_passes_in_interpreter(tmp_path):
+    """Each pass in one launch: the forward's pull, routed GEMMs and combine push (KernelPlan.fused_forward) and the
+    backward's pull of d_y, dgrads and push of d_x (fused_backward), 2 pull programs each: bitwise equal to EP=1
+    (whose passes are the staged kernels)."""
+    run(2, tmp_path, backend="triton", pull_programs=2, fused=("fused_forward", "fused_backward"))
 
 
 @requires_cuda
-def test_ep_fused_forward_on_one_gpu(tmp_path, monkeypatch):
-    """The fused forward (KernelPlan.fused_forward, 8 pull programs) on the CUDA path: bitwise equal to EP=1."""
+def test_ep_fused_passes_on_one_gpu(tmp_path, monkeypatch):
+    """Both passes fused (KernelPlan.fused_forward and fused_backward, 8 pull programs) on the CUDA path: bitwise
+    equal to EP=1."""
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, fused_forward=True)
+    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, fused=("fused_forward", "fused_backward"))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")

@@ -1,5 +1,6 @@
-"""The fused forward (serval.kernels.fused_forward): gate/up + SwiGLU and down in one persistent launch, bit for bit
-the staged Triton path (`triton_gemm.gate_up_swiglu` then `triton_gemm.down`, same TileConfigs).
+"""The fused passes (serval.kernels.fused_pass): the forward's gate/up + SwiGLU and down, and the backward's down
+dgrad + SwiGLU backward and gate/up dgrad, each pass in one persistent launch, bit for bit the staged Triton path
+(`triton_gemm.gate_up_swiglu` then `down`; `down_dgrad_swiglu_partials` then `gate_up_dgrad`; same TileConfigs).
 
 On the CPU the kernels run in Triton's interpreter (programs one after another: program 0 takes every task, in the
 task order) on small shapes whose H and I are not multiples of the tiles; every output is NaN-poisoned before the
@@ -395,25 +396,35 @@ from serval.plan import KernelPlan
 from serval.schedule import build_schedule
 
 hidden, inter, E, N = int(sys.argv[1]), int(sys.argv[2]), 4, 256
+backward = sys.argv[3] == "backward"
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
-compile_launch_in_this_child(ff, "_fused_pass_kernel", lambda: ff.fused_forward(
-    torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
-    torch.zeros(E, inter, hidden, **bf16), torch.zeros(E, hidden, inter, **bf16), schedule, 7.0,
-    plan.gate_up_tiles, plan.down_tiles, True, None, ff.new_sync(schedule.capacity // 128, "cpu")), sys.argv[3])
+rows, w_gate, w_up = (torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
+                      torch.zeros(E, inter, hidden, **bf16))
+w_down, sync = torch.zeros(E, hidden, inter, **bf16), ff.new_sync(schedule.capacity // 128, "cpu")
+if backward:
+    launch = lambda: ff.fused_backward(
+        rows, w_down, w_gate, w_up, torch.zeros(schedule.num_packed, 2 * inter, **bf16), torch.zeros(2 * N), schedule,
+        7.0, plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, True, None, sync)
+else:
+    launch = lambda: ff.fused_forward(rows, w_gate, w_up, w_down, schedule, 7.0, plan.gate_up_tiles, plan.down_tiles,
+                                      True, None, sync)
+compile_launch_in_this_child(ff, "_fused_pass_kernel", launch, sys.argv[4])
 """
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests run the kernel itself")
-@pytest.mark.parametrize("hidden, inter", [(512, 256)])
-def test_compiles_for_sm90a(hidden, inter, tmp_path):
-    """The fused kernel with the plan's Hopper tiles (gate/up 128 x 128 x 64 dual accumulator, down 128 x 256 x 64,
-    the gate/up's 8 warps and 3 stages for both) compiles for sm_90a, its shared memory fits a block (227 KB), ptxas
-    spills nothing and keeps the wgmma pipelined (no function call in the kernel: no C7510 warning). In a child
-    process: TRITON_INTERPRET=1 here makes serval's helpers interpreter functions. (On H, I that are not multiples
-    of 16, 320 x 200, the gate/up tiles spill some 300 bytes, in the staged kernel as here.)"""
-    shared, report = compile_in_child(COMPILE_CHILD, [hidden, inter], tmp_path)
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_compiles_for_sm90a(direction, tmp_path):
+    """The fused kernel with the plan's Hopper tiles compiles for sm_90a, its shared memory fits a block (227 KB),
+    ptxas spills nothing and keeps the wgmma pipelined (no function call in the kernel: no C7510 warning). Forward:
+    gate/up 128 x 128 x 64 dual accumulator, down 128 x 256 x 64, the gate/up's 8 warps and 3 stages for both;
+    backward: the dgrad 128 x 128 x 64 with its SwiGLU-backward epilogue in 4 chunks, the gate/up dgrad
+    128 x 256 x 64 over the split K, the latter's 8 warps and 3 stages for both. In a child process:
+    TRITON_INTERPRET=1 here makes serval's helpers interpreter functions. (On H, I that are not multiples of 16,
+    320 x 200, the gate/up tiles spill some 300 bytes, in the staged kernel as here.)"""
+    shared, report = compile_in_child(COMPILE_CHILD, [512, 256, direction], tmp_path)
     assert shared <= 232448, f"{shared} bytes of shared memory"
     assert " 0 bytes spill stores" in report, report
     assert "C7510" not in report, report  # wgmma serialized
@@ -447,6 +458,29 @@ def test_gpu_fused_equals_staged(how, minibatch_rows):
 
 
 @needs_cuda
+@pytest.mark.parametrize("how", ["random", "last_expert"])
+@pytest.mark.parametrize("minibatch_rows", [None, 128])
+def test_gpu_fused_backward_equals_staged(how, minibatch_rows):
+    """The backward at a realistic size, the plan's tiles: bit for bit the staged Triton path, two runs bit for bit
+    equal, and a CUDA graph of the launch replays to the eager bits."""
+    s = GPU_SHAPE
+    case = backward_case((s["num_tokens"], s["top_k"], s["num_experts"], how), 7.0, device="cuda",
+                         hidden=s["hidden"], inter=s["inter"], block_m=128)
+    plan = KernelPlan()
+    tiles = dict(dgrad_tiles=plan.down_dgrad_tiles, gate_up_dgrad_tiles=plan.gate_up_dgrad_tiles)
+    want = staged_backward(case, 7.0, **tiles)
+    sync = ff.new_sync(case["schedule"].capacity // 128, "cuda")
+    first = fused_backward(case, 7.0, minibatch_rows, sync, **tiles)
+    assert_bitwise(first, want, BACKWARD_NAMES)
+    check_backward_written(first, case["schedule"])
+    assert_bitwise(fused_backward(case, 7.0, minibatch_rows, sync, **tiles), first, BACKWARD_NAMES)
+    if minibatch_rows is None:
+        check_sync_free_and_graph_replay(
+            lambda: tuple(bits(t) for t in fused_backward(case, 7.0, None, sync, **tiles)),
+            tuple(bits(t) for t in first))
+
+
+@needs_cuda
 def test_gpu_cuda_graph_replay():
     """No host sync, and a CUDA graph of the launch (the epoch bump inside) replays to the eager bits, twice."""
     case = gpu_case()
@@ -463,13 +497,13 @@ def test_gpu_cuda_graph_replay():
         check_sync_free_and_graph_replay(step, eager)
 
 
-# ---------------------------------------------------------------- in the layer (KernelPlan.fused_forward)
+# ---------------------------------------------------------------- in the layer (KernelPlan.fused_*)
 
 
 @pytest.mark.parametrize("kind", ["empty"])  # some experts empty, the others several M-tiles
-def test_layer_with_the_fused_forward_equals_the_staged_layer(kind):
-    """serval.moe with KernelPlan.fused_forward (the forward's routed GEMMs in one launch; the shared expert and
-    the backward as before): y and every gradient bit for bit the staged kernels' (EP=1)."""
+def test_layer_with_the_fused_passes_equals_the_staged_layer(kind):
+    """serval.moe with KernelPlan.fused_forward and fused_backward (each pass's two GEMMs in one launch, the shared
+    expert's too): y and every gradient bit for bit the staged kernels' (EP=1)."""
     import dataclasses
 
     import serval
@@ -490,6 +524,6 @@ def test_layer_with_the_fused_forward_equals_the_staged_layer(kind):
         y = serval.moe(leaves[0], leaves[1], topk_ids, *leaves[2:5], tuple(leaves[5:]), config=config)
         return (y.detach(), *torch.autograd.grad(y, leaves, d_y))
 
-    fused_out = step(dataclasses.replace(staged_plan, fused_forward=True))
+    fused_out = step(dataclasses.replace(staged_plan, fused_forward=True, fused_backward=True))
     for got, want in zip(fused_out, step(staged_plan)):
         assert torch.equal(got, want)

@@ -8,7 +8,7 @@ One module per engine or job:
     gluon_pingpong.py     Gluon ping-pong GEMM (sm_90, Triton 3.6): the down dgrad + SwiGLU backward
     gluon_common.py       the Gluon version gate, descriptors and helpers both Gluon engines use
     in_gemm_pull.py       communication programs inside the gate/up GEMM (EP dispatch under the GEMM)
-    fused_forward.py      the forward's routed GEMMs (and at EP its pull and push) in one persistent launch
+    fused_pass.py         a pass's two routed GEMMs (and at EP its pull and push) in one persistent launch
     weight_grad.py        the grouped weight gradients over the token axis
     fp8_gemm.py           block-scaled FP8 grouped GEMM and weight gradient (Triton; Gluon on Hopper)
     gluon_fp8.py          Gluon cooperative FP8 GEMM, the scales applied per 128-K step (sm_90, Triton 3.6)
@@ -55,6 +55,12 @@ class KernelStages:
         return self.plan.fused_forward
 
     @property
+    def fuses_backward(self) -> bool:
+        """Whether the backward's routed dgrads run as one launch (`down_dgrad_gate_up_dgrad`,
+        KernelPlan.fused_backward)."""
+        return self.plan.fused_backward
+
+    @property
     def pulls_in_dgrad(self) -> bool:
         """Whether down_dgrad_swiglu pulls d_y's rows from the EP owners' buffers itself (`pull_from`)."""
         return self.plan.dgrad_pull_programs > 0
@@ -81,6 +87,9 @@ class KernelStages:
 
     def gate_up_dgrad(self, *args, **kwargs):
         return gemm_stages.gate_up_dgrad(*args, plan=self.plan, **kwargs)
+
+    def down_dgrad_gate_up_dgrad(self, *args, **kwargs):
+        return gemm_stages.down_dgrad_gate_up_dgrad(*args, plan=self.plan, **kwargs)
 
     @staticmethod
     def fp8_grouped_gemm(a, b, schedule):

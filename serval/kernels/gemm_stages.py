@@ -134,6 +134,34 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule)
 
 
+def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_weights, schedule: Schedule,
+                             swiglu_limit: float | None, *, plan: KernelPlan, pull_from: PeerTokens | None = None,
+                             pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             push_to: PeerSlots | None = None):
+    """The backward's routed dgrads in one persistent launch (`fused_pass.fused_backward`, plan.fused_backward):
+    d_gate_up [R, 2I], h_weighted [R, I], d_rw_rows fp32 [R] and d_x_rows [R, H] (None with push_to), bit for bit
+    `down_dgrad_swiglu` then `gate_up_dgrad` on the Triton engine.
+
+    Arguments as theirs. pull_from (EP, with pull_flags): d_y_rows is an empty [R, H] buffer that
+    plan.dgrad_pull_programs (at least one) programs of the launch fill from the owners' token buffers (d_y);
+    push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots."""
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    if gate_up.shape != (schedule.num_packed, 2 * inter):
+        raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
+                         f"(schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
+    pull = None
+    if pull_from is not None:
+        pull, _ = _in_gemm_pull(plan, plan.dgrad_pull_programs, plan.down_dgrad_tiles, pull_from, pull_flags,
+                                d_y_rows, schedule, hidden, inter)
+    block_m = min(plan.down_dgrad_tiles.block_m, schedule.block_m)
+    sync = fused_pass.new_sync(schedule.capacity // block_m, d_y_rows.device)  # zeros: three small fills, no sync
+    d_gate_up, h_weighted, d_rw_partial, d_x_rows = fused_pass.fused_backward(
+        d_y_rows, w_down, w_gate, w_up, gate_up, router_weights.contiguous().view(-1).float(), schedule,
+        swiglu_limit, plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, plan.use_tma, plan.minibatch_rows, sync,
+        pull=pull, push_to=push_to)
+    return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule), d_x_rows
+
+
 def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, plan: KernelPlan,
                   push_to: PeerSlots | None = None):
     """Gate/up dgrad: d_x_rows [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e], one accumulation over K = 2I;
