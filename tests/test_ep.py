@@ -84,8 +84,10 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         # quantize_weights_once: the rank's FP8 expert weights made once (serval.quantize_expert_weights)
         made = serval.quantize_expert_weights(*local[3], precision) if quantize_weights_once else None
         ep = layer_grads(*local, group=group, config=config, expert_weights=made)
-        again = layer_grads(*local, group=group, config=config, expert_weights=made)
-        assert all(torch.equal(a, b) for a, b in zip(ep, again)), "EP run is not repeatable"
+        if not (backend == "triton" and device == "cpu"):  # the interpreter runs programs one after another: a
+            # second run could only repeat the first (CI time)
+            again = layer_grads(*local, group=group, config=config, expert_weights=made)
+            assert all(torch.equal(a, b) for a, b in zip(ep, again)), "EP run is not repeatable"
         full = layer_grads(x, rw, ids, weights, shared, d_y,
                            config=serval.Config(block_m=block_m, backend=backend, precision=precision))
         y, d_x, d_rw, d_wg, d_wu, d_wd, *d_shared = ep

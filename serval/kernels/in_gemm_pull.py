@@ -81,7 +81,7 @@ def wait_until(flag_ptr, target, tile, MESSAGE: tl.constexpr, PRINT: tl.constexp
     accumulation: no floating-point value is ever summed atomically. The print is a printf, a function call, and a
     call anywhere in a kernel makes ptxas serialize every wgmma of it (sm_90a: "C7510 ... wgmma pipeline crossing
     function boundary at a function call"): a kernel that must keep its wgmma pipelined passes PRINT=False (and
-    only traps). Also `fused_forward`'s wait for h."""
+    only traps). Also `fused_pass`'s wait for the first GEMM's rows."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
     while (seen < target) & (spins < MAX_SPINS):

@@ -40,8 +40,8 @@ specialises each use:
 * UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set there only).
 
 One output tile's work, its K loop and epilogue, is `_gemm_tile` (with `_descriptors`, the tensor descriptors it
-uses): the persistent loop below calls it per tile, and so does the fused forward (`fused_forward`), for the two
-forward variants, so that both compute every element with the same code.
+uses): the persistent loop below calls it per tile, and so does the fused pass (`fused_pass`), for the two
+variants of each pass, so that both compute every element with the same code.
 
 Persistent: the grid is one program per SM (fewer when the capacity has fewer tiles); program p takes
 tiles p, p + NUM_PROGRAMS, ... of the used tiles only. The used-tile count is read on the device
@@ -171,7 +171,7 @@ def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c
     return d_rw_part
 
 
-# ---------------------------------------------------------------- one output tile (shared with fused_forward)
+# ---------------------------------------------------------------- one output tile (shared with fused_pass)
 
 
 @triton.jit
@@ -241,7 +241,7 @@ def _gemm_tile(
     """One output tile (m_tile, n_tile) of a `_grouped_gemm_kernel` variant: its K loop and its epilogue. `descs`:
     `_descriptors` of the same variant. The arguments are the kernel's (see there); EPI_TMA_STORES here is already
     USE_TMA and the config's choice. Inlined by the compiler into every kernel that calls it: the persistent
-    grouped GEMM below and `fused_forward`."""
+    grouped GEMM below and `fused_pass`."""
     a0_desc, a1_desc, w0_desc, w1_desc, c0_desc, c1_desc, h_desc = descs
     DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
     EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
