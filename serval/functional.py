@@ -488,18 +488,11 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
     never made: the GEMM pushes them): the peak holds about two of them.
     """
     transport = _transport(workspace)
-    if ops.fuses_backward:
+    d_x_rows = None
+    if ops.fuses_backward:  # both dgrads in one launch: d_x's rows come with the others
         d_y_rows, d_gate_up, h_weighted, d_rw_rows, d_x_rows = _fused_dgrads(
             ops, d_y, row_router_weights, schedule, gate_up, w_gate, w_up, w_down, swiglu_limit, workspace)
-        d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
-        del d_y_rows, h_weighted
-        d_x = ops.sum_slots(*d_x_rows, shared_d_x)
-        del d_x_rows
-        d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
-        x_rows = _rows_in(ops, x, schedule, transport)
-        d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
-        return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down
-    if transport is not None and ops.pulls_in_dgrad:  # the dgrad's programs pull d_y's rows into d_y_rows
+    elif transport is not None and ops.pulls_in_dgrad:  # the dgrad's programs pull d_y's rows into d_y_rows
         d_y_rows = torch.empty(schedule.capacity, d_y.shape[1], dtype=d_y.dtype, device=d_y.device)
         d_gate_up, h_weighted, d_rw_rows = transport.pull_into(
             lambda source: ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights, schedule,
@@ -510,8 +503,9 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
                                                                  schedule, swiglu_limit)
     d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
     del d_y_rows, h_weighted
-    d_x_rows = _gemm_out(ops, lambda **push: ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule, **push),
-                         w_gate.shape[2], d_gate_up.dtype, schedule, transport)
+    if d_x_rows is None:
+        d_x_rows = _gemm_out(ops, lambda **push: ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule, **push),
+                             w_gate.shape[2], d_gate_up.dtype, schedule, transport)
     d_x = ops.sum_slots(*d_x_rows, shared_d_x)
     del d_x_rows
     d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
