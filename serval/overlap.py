@@ -80,6 +80,9 @@ class Rates:
     contention: how much slower the compute SMs run while rows move (HBM shared with the transfers): measured
         0.11 at EP=2 on kimi-k2 (gate/up tiles 113 us while the in-GEMM pull ran, 102 after;
         docs/reports/2026-11-29-ep-two-h200.md).
+    fused_compute_ratio: the fused kernel's compute rate over the staged path's, (forward, backward), with no
+        communication (measured at EP=1: its GEMMs run on the Triton tiles, the staged ones on the Gluon
+        engines).
     """
 
     compute_tflops: tuple[float, float]
@@ -90,6 +93,7 @@ class Rates:
     num_sms: int = 132
     schedule_ms: float = 0.27
     contention: float = 0.11
+    fused_compute_ratio: tuple[float, float] = (1.0, 1.0)
 
 
 def staged_ms(problem: Problem, rates: Rates, backward: bool) -> float:
@@ -108,14 +112,14 @@ def nccl_ms(problem: Problem, rates: Rates, backward: bool) -> float:
 
 
 def fused_ms(problem: Problem, rates: Rates, backward: bool, comm_sms: int, minibatch: int) -> float:
-    """The fused kernel: comm_sms SMs move rows while the rest compute, minibatch by minibatch. The compute slows
-    by the SMs it gives up and by `rates.contention` while the transfers run; the transfers run at what comm_sms
-    SMs reach; the longer of the two sets the pace, plus the first minibatch's arrival (nothing to compute yet)
-    and the last one's departure (nothing left)."""
+    """The fused kernel: comm_sms SMs move rows while the rest compute, minibatch by minibatch. The compute runs at
+    `rates.fused_compute_ratio` of the staged rate and slows by the SMs it gives up and by `rates.contention`
+    while the transfers run; the transfers run at what comm_sms SMs reach; the longer of the two sets the pace,
+    plus the first minibatch's arrival (nothing to compute yet) and the last one's departure (nothing left)."""
     transfers = BACKWARD_TRANSFERS if backward else FORWARD_TRANSFERS
     link = rates.comm_gbps[comm_sms] * 1e6  # bytes per ms
     comm = transfers * problem.transfer_bytes() / link
-    compute = problem.flops(backward) / (rates.compute_tflops[backward] * 1e9)
+    compute = problem.flops(backward) / (rates.compute_tflops[backward] * rates.fused_compute_ratio[backward] * 1e9)
     compute *= rates.num_sms / (rates.num_sms - comm_sms)
     compute *= 1 + rates.contention * min(1.0, comm / compute)
     share = min(1.0, minibatch / problem.rows)

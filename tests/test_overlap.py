@@ -54,6 +54,10 @@ def test_cost_model_orders_and_limits():
         alone = overlap.Problem(4096, 8, 7168, 2048, 384, 1)
         slowed = alone.flops(backward) / (rates.compute_tflops[backward] * 1e9) * 132 / 116
         assert overlap.fused_ms(alone, rates, backward, 16, 2048) == pytest.approx(slowed + (0 if backward else 0.27))
+        # a fused kernel computing at 0.9 of the staged rate (its EP=1 measurement): that much slower alone
+        _, slower = problem_and_rates(fused_compute_ratio=(0.9, 0.9))
+        assert overlap.fused_ms(alone, slower, backward, 16, 2048) == pytest.approx(
+            slowed / 0.9 + (0 if backward else 0.27))
     ms, comm_sms, minibatch = overlap.best_fused(problem, rates, backward=False)
     assert comm_sms in rates.comm_gbps and minibatch % 128 == 0
     assert ms == min(overlap.fused_ms(problem, rates, False, c, overlap.layer_minibatch_rows(7168, 2048, 132 - c))

@@ -8,6 +8,9 @@ Inputs (benchmarks/results/):
   h200x2_ep.json        EP=2, the multi-GPU shapes: serval's staged forward by stage (schedule, dispatch,
                         gate/up, down + combine) and fwd+bwd total; nccl_a2a's fwd and fwd+bwd totals
   h200x2_ceilings.json  EP=2: NCCL all_to_all and the pull with c communication SMs (c = 4 .. 64), GB/s per rank
+  h200_fused_forward.json, h200_fused_passes.json
+                        EP=1: the fused kernel's compute against the staged path's (forward GEMMs; the layer's
+                        fwd+bwd with the fused backward)
 How the rates are derived (each an assumption the EP=8 run must check):
   * compute (no communication), forward: EP=2's gate/up + down stages minus the combine push (its bytes at the
     EP=2 push ceiling); backward: that times the backward/forward rate ratio at EP=1. At EP=P the rate is
@@ -18,6 +21,9 @@ How the rates are derived (each an assumption the EP=8 run must check):
     EP=2's measured nccl_a2a fwd+bwd total, scaled to EP=P as serval's compute.
   * the link rates at EP=P per rank are EP=2's (an NVSwitch host gives every GPU the same NVLink bandwidth to
     all peers together; not measured at P > 2).
+  * the fused kernel computes at its EP=1 ratio to the staged path: forward, its GEMMs' (fused at MoK's minibatch
+    against the two staged launches, the newest run); backward, from the layer's fwd+bwd with and without the
+    fused backward, less the forward (the newest EP=1 forward); shapes not measured take the mean of those that were.
 
   python tools/ep_cost_model.py                   # EP=8 (and EP=2 against what was measured)
   python tools/ep_cost_model.py --ep 4 --out /tmp/ep4.json
@@ -84,7 +90,27 @@ def model_inputs(name, layer, ep2, ceilings):
         ep2_nccl_ms=newest(ep2, shape=name, impl="nccl_a2a", scope="routed", **{"pass": "fwdbwd"})["ms"])
 
 
-def rates_at(inputs, problem, ceilings, staged_gbps, nccl_gbps, nccl_scale):
+def fused_ratios(names, layer, fused_forward, fused_passes):
+    """{shape: (forward, backward)}: the fused kernel's compute rate over the staged path's at EP=1."""
+    measured = {}
+    for name in names:
+        fwd = bwd = None
+        staged = newest(fused_forward, shape=name, impl="staged")
+        fused = staged and newest(fused_forward, shape=name, impl="fused", minibatch="mok", date=staged["date"])
+        if fused:
+            fwd = staged["ms"] / fused["ms"]
+        staged_all = newest(fused_passes, shape=name, impl="serval", scope="routed", **{"pass": "fwdbwd"})
+        fused_all = newest(fused_passes, shape=name, impl="serval (fused backward)", scope="routed",
+                           **{"pass": "fwdbwd"})
+        ep1_fwd = newest(layer, shape=name, impl="serval", scope="routed", **{"pass": "fwd"})
+        if staged_all and fused_all and ep1_fwd:
+            bwd = (staged_all["ms"] - ep1_fwd["ms"]) / (fused_all["ms"] - ep1_fwd["ms"])
+        measured[name] = (fwd, bwd)
+    means = [sum(v) / len(v) if v else 1.0 for v in ([r[i] for r in measured.values() if r[i]] for i in (0, 1))]
+    return {name: tuple(r[i] or means[i] for i in (0, 1)) for name, r in measured.items()}
+
+
+def rates_at(inputs, problem, ceilings, staged_gbps, nccl_gbps, nccl_scale, fused_ratio):
     rows = problem.rows_per_expert
     fwd = interpolate(rows, inputs["rows_ep2"], inputs["rate_fwd_ep2"], inputs["rows_ep1"], inputs["rate_fwd_ep1"])
     bwd = interpolate(rows, inputs["rows_ep2"], inputs["rate_bwd_ep2"], inputs["rows_ep1"], inputs["rate_bwd_ep1"])
@@ -95,7 +121,7 @@ def rates_at(inputs, problem, ceilings, staged_gbps, nccl_gbps, nccl_scale):
             comm[c] = max(comm.get(c, 0.0), r["gbps"])
     return overlap.Rates(compute_tflops=(fwd, bwd), staged_gbps=staged_gbps, nccl_gbps=nccl_gbps,
                          nccl_compute_tflops=(fwd * nccl_scale[0], bwd * nccl_scale[1]), comm_gbps=comm,
-                         schedule_ms=inputs["schedule_ms"])
+                         schedule_ms=inputs["schedule_ms"], fused_compute_ratio=fused_ratio)
 
 
 def calibrate(inputs, ceilings):
@@ -120,6 +146,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(RESULTS, "ep_model_predictions.json"))
     args = parser.parse_args()
     layer, ep2, ceilings = load("h200_layer.json"), load("h200x2_ep.json"), load("h200x2_ceilings.json")
+    ratios = fused_ratios(SHAPES, layer, load("h200_fused_forward.json"), load("h200_fused_passes.json"))
     records = []
     print(f"{'shape':<16}{'EP':>3}{'pass':>8}{'staged':>9}{'nccl':>9}{'fused':>9}{'comm SMs':>10}{'minibatch':>10}"
           f"{'compute':>9}{'hidden':>8}{'fused/nccl':>11}   (ms per rank; EP=2 measured: staged, nccl)")
@@ -129,7 +156,7 @@ def main():
         shape = EP_SHAPES[name]
         for ep in sorted({2, args.ep}):
             problem = overlap.Problem(shape.tokens, shape.top_k, shape.hidden, shape.inter, shape.experts, ep)
-            rates = rates_at(inputs, problem, ceilings, staged_gbps, nccl_gbps, nccl_scale)
+            rates = rates_at(inputs, problem, ceilings, staged_gbps, nccl_gbps, nccl_scale, ratios[name])
             total = {"staged": 0.0, "nccl": 0.0, "fused": 0.0, "compute": 0.0, "comm_staged": 0.0}
             choice = {}
             for backward in (False, True):
@@ -154,7 +181,7 @@ def main():
                                 nccl_tflops=flops / (total["nccl"] * 1e9), choice=choice,
                                 rates=dict(compute_tflops=rates.compute_tflops, staged_gbps=staged_gbps,
                                            nccl_gbps=nccl_gbps, nccl_compute_tflops=rates.nccl_compute_tflops,
-                                           comm_gbps=rates.comm_gbps),
+                                           comm_gbps=rates.comm_gbps, fused_compute_ratio=rates.fused_compute_ratio),
                                 measured_ep2=dict(staged_ms=inputs["ep2_serval_ms"], nccl_ms=inputs["ep2_nccl_ms"])
                                 if ep == 2 else None,
                                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")))
