@@ -1,5 +1,5 @@
 """A recorded kernel launch compiled for sm_90a without a GPU: the step the compile-only tests share
-(tests/test_gluon_compile.py; tests/test_fused_forward.py and tests/test_kernels_gemm.py through
+(tests/test_gluon_compile.py; tests/test_fused_pass.py and tests/test_kernels_gemm.py through
 `compile_in_child`, which compiles in a child process and runs ptxas -v on the result).
 
 The launch is specialised as Triton's launcher would for a GPUTarget("cuda", 90) (its binder and argument packing:
