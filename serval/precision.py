@@ -242,12 +242,6 @@ def _row_slice(q: QuantizedTensor, start: int, length: int) -> QuantizedTensor:
     return q._replace(data=q.data.narrow(0, start, length), scale=q.scale.narrow(0, start, length))
 
 
-def _packed(q: QuantizedTensor, schedule: Schedule) -> QuantizedTensor:
-    """The packed rows (`serval.schedule.packed_rows`) of a row-quantized [R, C] tensor."""
-    index = packed_rows(schedule)
-    return q._replace(data=q.data.view(torch.uint8)[index].view(q.data.dtype), scale=q.scale[index])
-
-
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit,
             made: ExpertWeights | None = None):
     """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
@@ -260,7 +254,8 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
         gate_up_w = made.gate_up if made is not None else _gate_up_weights(recipe, w_gate, w_up, 2)
         gate_up_rows = ops.fp8_grouped_gemm(x_q, gate_up_w, schedule)
         h = ops.swiglu(gate_up_rows, swiglu_limit)
-        gate_up = _packed(recipe.rows(gate_up_rows)[0], schedule)  # kept packed, as BF16 keeps it
+        # kept in packed rows, as BF16 keeps it: the quantizer reads the packed rows itself (no gather pass after)
+        gate_up = recipe.rows(gate_up_rows, rows_of=(packed_rows(schedule), 1))[0]
     else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
         x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
         gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
