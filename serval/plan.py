@@ -100,7 +100,8 @@ class KernelPlan:
     EP=1 (docs/reports/2026-12-02-fp8-wgrad-fusion-fused-forward.md); not measured at EP.
     `fused_backward`: the same for the backward's down dgrad (with the SwiGLU backward) and gate/up dgrad: one
     launch on the Triton tiles above; at EP its first `dgrad_pull_programs` programs (at least one) pull d_y's
-    rows and its gate/up dgrad tiles push d_x's rows into the owners' slots. Off: not timed yet.
+    rows and its gate/up dgrad tiles push d_x's rows into the owners' slots. Off: measured slower than the staged
+    launches at EP=1 (docs/reports/2026-12-02-fused-backward.md); not measured at EP.
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"
