@@ -123,15 +123,15 @@ ORDER_SIZES = [(0, 3, 2, 1), (1, 1, 1, 1), (1, 3, 4, 5), (5, 2, 3, 1), (5, 2, 3,
                (9, 1, 1, 4), (12, 4, 3, 5), (13, 5, 2, 13), (13, 5, 2, 40)]
 
 
-def check_order(order, num_m, n_gu, n_dn, mb):
-    everything = [(ff.FIRST, m, n) for m in range(num_m) for n in range(n_gu)] + \
-                 [(ff.SECOND, m, n) for m in range(num_m) for n in range(n_dn)]
+def check_order(order, num_m, n_first, n_second, mb):
+    everything = [(ff.FIRST, m, n) for m in range(num_m) for n in range(n_first)] + \
+                 [(ff.SECOND, m, n) for m in range(num_m) for n in range(n_second)]
     assert sorted(order) == sorted(everything) and len(order) == len(everything)  # every task exactly once
     position = {task: i for i, task in enumerate(order)}
-    for m in range(num_m):  # a down tile comes after every gate/up tile of its M-tile
-        last_gate_up = max(position[(ff.FIRST, m, n)] for n in range(n_gu))
-        assert all(position[(ff.SECOND, m, n)] > last_gate_up for n in range(n_dn))
-    # minibatch by minibatch: GU(0), GU(1), DN(0), GU(2), DN(1), ..., DN(last)
+    for m in range(num_m):  # an S tile comes after every F tile of its M-tile
+        last_first = max(position[(ff.FIRST, m, n)] for n in range(n_first))
+        assert all(position[(ff.SECOND, m, n)] > last_first for n in range(n_second))
+    # minibatch by minibatch: F(0), F(1), S(0), F(2), S(1), ..., S(last)
     segments = [(gemm, m // mb) for gemm, m, _ in order]
     runs = [s for i, s in enumerate(segments) if i == 0 or s != segments[i - 1]]
     num_minibatches = -(-num_m // mb)
@@ -139,39 +139,40 @@ def check_order(order, num_m, n_gu, n_dn, mb):
     assert runs == (want + [(ff.SECOND, num_minibatches - 1)] if num_m else [])
 
 
-@pytest.mark.parametrize("num_m, n_gu, n_dn, mb", ORDER_SIZES)
-def test_task_order(num_m, n_gu, n_dn, mb):
-    check_order(ff.task_order(num_m, n_gu, n_dn, mb), num_m, n_gu, n_dn, mb)
+@pytest.mark.parametrize("num_m, n_first, n_second, mb", ORDER_SIZES)
+def test_task_order(num_m, n_first, n_second, mb):
+    check_order(ff.task_order(num_m, n_first, n_second, mb), num_m, n_first, n_second, mb)
 
 
 def test_task_order_small_example():
-    """3 M-tiles, minibatches of 2, gate/up 2 N-tiles, down 1: within a minibatch M-tiles vary fastest (GROUP_M)."""
-    G, D = ff.FIRST, ff.SECOND
-    assert ff.task_order(3, 2, 1, 2) == [(G, 0, 0), (G, 1, 0), (G, 0, 1), (G, 1, 1),  # GU(0)
-                                         (G, 2, 0), (G, 2, 1),  # GU(1)
-                                         (D, 0, 0), (D, 1, 0),  # DN(0)
-                                         (D, 2, 0)]  # DN(1)
+    """3 M-tiles, minibatches of 2, the first GEMM 2 N-tiles, the second 1: within a minibatch M-tiles vary fastest
+    (GROUP_M)."""
+    F, S = ff.FIRST, ff.SECOND
+    assert ff.task_order(3, 2, 1, 2) == [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),  # F(0)
+                                         (F, 2, 0), (F, 2, 1),  # F(1)
+                                         (S, 0, 0), (S, 1, 0),  # S(0)
+                                         (S, 2, 0)]  # S(1)
 
 
 @pytest.mark.parametrize("group_m", [None, 1, 2, 4])
 def test_task_order_is_each_gemms_staged_order(group_m):
     """Restricted to one GEMM, the order is that GEMM's staged launch with GROUP_M = group_m (default: the
     minibatch's M-tiles)."""
-    num_m, n_gu, n_dn, mb = 11, 3, 2, 4
-    order = ff.task_order(num_m, n_gu, n_dn, mb, group_m)
-    check_order(order, num_m, n_gu, n_dn, mb)
+    num_m, n_first, n_second, mb = 11, 3, 2, 4
+    order = ff.task_order(num_m, n_first, n_second, mb, group_m)
+    check_order(order, num_m, n_first, n_second, mb)
     group = group_m or mb
-    for gemm, n in ((ff.FIRST, n_gu), (ff.SECOND, n_dn)):
+    for gemm, n in ((ff.FIRST, n_first), (ff.SECOND, n_second)):
         assert [t[1:] for t in order if t[0] == gemm] == [ff._tile_coords(i, num_m, n, group) for i in range(num_m * n)]
 
 
-@pytest.mark.parametrize("num_m, n_gu, n_dn, mb", [s for s in ORDER_SIZES if s[0] * (s[1] + s[2]) <= 120])
-def test_device_decode_matches_task_order(num_m, n_gu, n_dn, mb):
+@pytest.mark.parametrize("num_m, n_first, n_second, mb", [s for s in ORDER_SIZES if s[0] * (s[1] + s[2]) <= 120])
+def test_device_decode_matches_task_order(num_m, n_first, n_second, mb):
     """The kernel's decode of a task id (`_task_coords`, run in a kernel) gives `task_order`'s entry."""
-    assert ff.device_task_order(num_m, n_gu, n_dn, mb, device=DEVICE) == ff.task_order(num_m, n_gu, n_dn, mb)
+    assert ff.device_task_order(num_m, n_first, n_second, mb, device=DEVICE) == ff.task_order(num_m, n_first, n_second, mb)
     group = 2 if mb % 2 == 0 else 1
-    assert (ff.device_task_order(num_m, n_gu, n_dn, mb, group, device=DEVICE)
-            == ff.task_order(num_m, n_gu, n_dn, mb, group))
+    assert (ff.device_task_order(num_m, n_first, n_second, mb, group, device=DEVICE)
+            == ff.task_order(num_m, n_first, n_second, mb, group))
 
 
 def test_task_order_errors():
