@@ -10,7 +10,7 @@ Inputs (benchmarks/results/):
   h200x2_ceilings.json  EP=2: NCCL all_to_all and the pull with c communication SMs (c = 4 .. 64), GB/s per rank
   h200_fused_forward.json, h200_fused_passes.json
                         EP=1: the fused kernel's compute against the staged path's (forward GEMMs; the layer's
-                        fwd+bwd with the fused backward)
+                        fwd and fwd+bwd, staged and with both passes fused)
 How the rates are derived (each an assumption the EP=8 run must check):
   * compute (no communication), forward: EP=2's gate/up + down stages minus the combine push (its bytes at the
     EP=2 push ceiling); backward: that times the backward/forward rate ratio at EP=1. At EP=P the rate is
@@ -22,8 +22,8 @@ How the rates are derived (each an assumption the EP=8 run must check):
   * the link rates at EP=P per rank are EP=2's (an NVSwitch host gives every GPU the same NVLink bandwidth to
     all peers together; not measured at P > 2).
   * the fused kernel computes at its EP=1 ratio to the staged path: forward, its GEMMs' (fused at MoK's minibatch
-    against the two staged launches, the newest run); backward, from the layer's fwd+bwd with and without the
-    fused backward, less the forward (the newest EP=1 forward); shapes not measured take the mean of those that were.
+    against the two staged launches, the newest run); backward, the layer's backward (fwd+bwd less fwd) staged over
+    with both passes fused, all four from one run; shapes not measured take the mean of those that were.
 
   python tools/ep_cost_model.py                   # EP=8 (and EP=2 against what was measured)
   python tools/ep_cost_model.py --ep 4 --out /tmp/ep4.json
@@ -99,12 +99,16 @@ def fused_ratios(names, layer, fused_forward, fused_passes):
         fused = staged and newest(fused_forward, shape=name, impl="fused", minibatch="mok", date=staged["date"])
         if fused:
             fwd = staged["ms"] / fused["ms"]
-        staged_all = newest(fused_passes, shape=name, impl="serval", scope="routed", **{"pass": "fwdbwd"})
-        fused_all = newest(fused_passes, shape=name, impl="serval (fused backward)", scope="routed",
+        # backward = fwd+bwd - fwd, the staged layer and the one with both passes fused, of one run
+        fused_all = newest(fused_passes, shape=name, impl="serval (fused passes)", scope="routed",
                            **{"pass": "fwdbwd"})
-        ep1_fwd = newest(layer, shape=name, impl="serval", scope="routed", **{"pass": "fwd"})
-        if staged_all and fused_all and ep1_fwd:
-            bwd = (staged_all["ms"] - ep1_fwd["ms"]) / (fused_all["ms"] - ep1_fwd["ms"])
+        if fused_all:
+            run = dict(shape=name, scope="routed", date=fused_all["date"])
+            fused_fwd = newest(fused_passes, impl="serval (fused passes)", **run, **{"pass": "fwd"})
+            staged_all = newest(fused_passes, impl="serval", **run, **{"pass": "fwdbwd"})
+            staged_fwd = newest(fused_passes, impl="serval", **run, **{"pass": "fwd"})
+            if fused_fwd and staged_all and staged_fwd:
+                bwd = (staged_all["ms"] - staged_fwd["ms"]) / (fused_all["ms"] - fused_fwd["ms"])
         measured[name] = (fwd, bwd)
     means = [sum(v) / len(v) if v else 1.0 for v in ([r[i] for r in measured.values() if r[i]] for i in (0, 1))]
     return {name: tuple(r[i] or means[i] for i in (0, 1)) for name, r in measured.items()}
