@@ -199,8 +199,11 @@ _CONFIG_IDS: dict[Config, int] = {}
 _CONFIGS: list[Config] = []
 
 
+@torch.compiler.assume_constant_result
 def config_id(config: Config) -> int:
-    """The id of `config` in the registry the custom ops read (registered on first use)."""
+    """The id of `config` in the registry the custom ops read (registered on first use). Under torch.compile
+    it runs while the graph is traced (a constant result), so the ops' fake implementations find the Config
+    registered even when the compiled call is its first use."""
     ident = _CONFIG_IDS.get(config)
     if ident is None:
         ident = _CONFIG_IDS[config] = len(_CONFIGS)

@@ -263,6 +263,26 @@ def test_torch_compile_fullgraph():
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
+@pytest.mark.parametrize("where", ["argument", "built inside"])
+def test_torch_compile_before_any_eager_call(where):
+    """A Config the process has not run yet, first seen inside the compiled call (passed in, or built in the
+    traced function): the ops' fake implementations must find it registered while the graph is traced."""
+    from serval import api
+
+    x, (wg, wu, wd), _ = make_layer(11, 16, 8, 4)
+    rw, ids = make_routing(11, 4, 2)
+    fields = dict(block_m=16, capacity_multiplier=3.0 + (where == "built inside") / 8)  # fresh in this process
+    config = serval.Config(**fields)
+    assert config not in api._CONFIG_IDS
+
+    def step(x):
+        used = config if where == "argument" else serval.Config(**fields)
+        return serval.moe(x, rw, ids, wg, wu, wd, config=used)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(compiled, step(x))
+
+
 def test_custom_ops_carry_the_whole_config(monkeypatch):
     """Every Config field reaches functional.forward/backward inside the custom ops, eager and compiled."""
     from serval import functional
