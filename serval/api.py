@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import functional, precision
-from .config import Config
+from .config import Config, config_by_id, config_id
 from .functional import ErrorFlags
 from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
 
@@ -192,28 +192,6 @@ def check_expert_ids(topk_ids: Tensor, num_experts: int, ep_size: int = 1) -> No
 
 
 # ---------------------------------------------------------------- custom ops
-
-# Config -> id and back: a custom op takes plain scalars, so the ops carry an interned Config as an int
-# (each distinct Config is registered once and lives as long as the process, like a compiled kernel)
-_CONFIG_IDS: dict[Config, int] = {}
-_CONFIGS: list[Config] = []
-
-
-@torch.compiler.assume_constant_result
-def config_id(config: Config) -> int:
-    """The id of `config` in the registry the custom ops read (registered on first use). Under torch.compile
-    it runs while the graph is traced (a constant result), so the ops' fake implementations find the Config
-    registered even when the compiled call is its first use."""
-    ident = _CONFIG_IDS.get(config)
-    if ident is None:
-        ident = _CONFIG_IDS[config] = len(_CONFIGS)
-        _CONFIGS.append(config)
-    return ident
-
-
-def config_by_id(ident: int) -> Config:
-    return _CONFIGS[ident]
-
 
 def _workspace(workspace_id: int):
     return None if workspace_id < 0 else functional.workspace_by_id(workspace_id)

@@ -106,6 +106,29 @@ class Config:
         timeout = self.peer_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.001 <= timeout < math.inf:
             raise ValueError(f"Config.peer_timeout_s must be a finite number of seconds >= 0.001, got {timeout!r}")
+        config_id(self)
+
+
+# Config -> id and back: the layer's custom ops take plain scalars, so they carry a Config as an int. A Config is
+# registered when it is made, so that a torch.compile'd call that is its first use only reads the table (the ops'
+# fake implementations read it while the graph is traced, before Dynamo applies a traced registration). Each
+# distinct Config lives as long as the process, like a compiled kernel.
+_CONFIG_IDS: dict[Config, int] = {}
+_CONFIGS: list[Config] = []
+
+
+def config_id(config: Config) -> int:
+    """The id of `config` in the table the custom ops read (registered here if it is not yet: an unpickled
+    Config skips __post_init__)."""
+    ident = _CONFIG_IDS.get(config)
+    if ident is None:
+        ident = _CONFIG_IDS[config] = len(_CONFIGS)
+        _CONFIGS.append(config)
+    return ident
+
+
+def config_by_id(ident: int) -> Config:
+    return _CONFIGS[ident]
 
 
 def _is_int(value) -> bool:

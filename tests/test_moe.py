@@ -263,22 +263,24 @@ def test_torch_compile_fullgraph():
     assert all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
 
 
-@pytest.mark.parametrize("where", ["argument", "built inside"])
-def test_torch_compile_before_any_eager_call(where):
-    """A Config the process has not run yet, first seen inside the compiled call (passed in, or built in the
-    traced function): the ops' fake implementations must find it registered while the graph is traced."""
-    from serval import api
+@pytest.mark.parametrize("what", ["function", "module"])
+def test_torch_compile_before_any_eager_call(what):
+    """A Config the process has not run yet, first used inside the compiled call: the ops' fake implementations
+    read the Config table while the graph is traced, so a Config must be in it from its construction."""
+    from serval import config as config_module
 
+    torch.manual_seed(0)
     x, (wg, wu, wd), _ = make_layer(11, 16, 8, 4)
     rw, ids = make_routing(11, 4, 2)
-    fields = dict(block_m=16, capacity_multiplier=3.0 + (where == "built inside") / 8)  # fresh in this process
+    fields = dict(block_m=16, capacity_multiplier=3.0 + (what == "module") / 8)  # fresh in this process
+    before = len(config_module._CONFIGS)
     config = serval.Config(**fields)
-    assert config not in api._CONFIG_IDS
-
-    def step(x):
-        used = config if where == "argument" else serval.Config(**fields)
-        return serval.moe(x, rw, ids, wg, wu, wd, config=used)
-
+    assert config_module._CONFIGS[before:] == [config]  # registered when made
+    if what == "function":
+        def step(x):
+            return serval.moe(x, rw, ids, wg, wu, wd, config=config)
+    else:
+        step = serval.MoE(16, 8, 4, 2, config=config)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(compiled, step(x))
 
