@@ -207,14 +207,15 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
     return ws
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=None)  # never evicted: the custom ops find workspaces by id, so each stays registered
 def _cached_workspace(num_tokens, top_k, hidden, num_experts, device, config, group):
     return create_workspace(num_tokens, top_k, hidden, num_experts, device=device, config=config, group=group)
 
 
 def get_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *, device=None,
                   config: Config | None = None, group=None) -> Workspace:
-    """The workspace for this problem, created on first use and cached."""
+    """The workspace for this problem, created on first use and cached for the process (one per distinct
+    problem and Config: a token count that varies from step to step reuses its earlier workspaces)."""
     return _cached_workspace(num_tokens, top_k, hidden, num_experts, torch.device(device or "cpu"),
                              config or Config(), group)
 
@@ -225,9 +226,10 @@ def workspace_by_id(ident: int) -> Workspace:
 
 
 def gather_routing(topk_ids: torch.Tensor, router_weights: torch.Tensor, workspace: Workspace):
-    """The group's routing at EP: (topk_ids [P*N, k], router_weights [P*N, k]), all-gathered in rank order."""
+    """The group's routing at EP: (topk_ids [P*N, k] int64, router_weights [P*N, k]), all-gathered in rank order.
+    The ids go as int64 whatever integer dtype each rank passed, so ranks may differ there."""
     transport = workspace.transport
-    return transport.all_gather(topk_ids), transport.all_gather(router_weights)
+    return transport.all_gather(topk_ids.to(torch.int64)), transport.all_gather(router_weights)
 
 
 def ep_schedule(all_ids: torch.Tensor, workspace: Workspace):
