@@ -2,7 +2,8 @@
 
 Forward and backward are each a short pipeline of stages over one `Schedule`
 (see `serval.schedule`). This module implements every stage with torch ops, on
-any device and dtype, with no host sync and no floating-point scatter/atomics;
+any device and dtype, with no host sync on a GPU (on CPU, where reading them is no sync, the GEMMs
+torch._grouped_mm cannot run read the expert segments' bounds) and no floating-point scatter/atomics;
 `serval.kernels` implements the same functions with Triton kernels, and
 `serval.functional` composes whichever backend is chosen. Signatures and
 numerics are shared, so a kernel can replace one stage at a time.
@@ -59,12 +60,23 @@ def _expert_masks(schedule: Schedule, device) -> torch.Tensor:
     return (rows[None, :] >= offsets[:-1, None]) & (rows[None, :] < offsets[1:, None])
 
 
+def _host_segments(schedule: Schedule) -> list[tuple[int, int]]:
+    """[(lo, hi)] of each expert's rows, read on the host: for CPU tensors only, where reading them is no sync."""
+    offsets = schedule.expert_offsets.tolist()
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     """out[r] = a[r] @ w[e(r)].T for each expert segment; a [R, K], w [E, Nout, K] -> [R, Nout]."""
     if _has_grouped_mm(a, w):
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=schedule.expert_offsets[1:])
-    # dtypes torch._grouped_mm lacks (fp64, fp32 on CUDA): every expert on every row, selected per segment
+    # operands torch._grouped_mm does not take (fp64; rows that are not 16-byte multiples; fp32 on CUDA)
     out = a.new_zeros(a.shape[0], w.shape[1])
+    if a.device.type == "cpu":  # each segment alone: the same GEMM wherever its rows sit (bitwise across EP sizes)
+        for e, (lo, hi) in enumerate(_host_segments(schedule)):
+            out[lo:hi] = a[lo:hi] @ w[e].T
+        return out
+    # on a GPU without a host sync: every expert on every row, selected per segment
     for e, mask in enumerate(_expert_masks(schedule, a.device)):
         out = torch.where(mask[:, None], a @ w[e].T, out)
     return out
@@ -77,7 +89,15 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, schedule: Schedule) -> torch.T
     """
     if _has_grouped_mm(a, b):
         return torch._grouped_mm(a.t(), b, offs=schedule.expert_offsets[1:])
-    # rows past the used ones hold whatever the producing stage left there: select, never multiply by 0
+    if a.device.type == "cpu":  # each segment alone: the same sum wherever its rows sit (bitwise across EP sizes)
+        out = a.new_zeros(schedule.num_experts, a.shape[1], b.shape[1])
+        for e, (lo, hi) in enumerate(_host_segments(schedule)):
+            if hi > lo:
+                out[e] = a[lo:hi].t() @ b[lo:hi]
+        return out
+    # on a GPU without a host sync, over the whole buffer (its reduction order then depends on the buffer's size:
+    # this path, fp32 and fp64 on the torch stages, is not bitwise across EP sizes). Rows past the used ones hold
+    # whatever the producing stage left there: select, never multiply by 0
     masks = _expert_masks(schedule, a.device)[:, :, None]
     return torch.stack([torch.where(m, a, 0).t() @ torch.where(m, b, 0) for m in masks])
 

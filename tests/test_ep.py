@@ -206,6 +206,31 @@ def stopped_rank_outcome(world_size, tmp_path, device):
     return json.loads(result.read_text())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_stage_gemms_do_not_depend_on_where_the_rows_sit(dtype):
+    """EP=P's bits rest on each expert's GEMMs being those of EP=1, though a rank's rows start at another row
+    of a buffer of another size. The torch stages' fallback GEMMs (operands torch._grouped_mm does not take:
+    here rows of 17 and 33 values, not 16-byte multiples) compute each expert segment on its own."""
+    from serval import stages
+    from serval.schedule import Schedule
+
+    gen = torch.Generator().manual_seed(0)
+    inner, outer, rows = 17, 33, 48
+    seg_a = torch.randn(rows, inner, generator=gen, dtype=dtype)
+    seg_b = torch.randn(rows, outer, generator=gen, dtype=dtype)
+    weight = torch.randn(1, outer, inner, generator=gen, dtype=dtype)
+    results = []
+    for lo, capacity in ((0, 64), (96, 256)):  # one expert's rows at row lo of a buffer of `capacity` rows
+        i32 = dict(dtype=torch.int32)
+        schedule = Schedule(torch.tensor([rows], **i32), torch.tensor([lo, lo + rows], **i32),
+                            torch.zeros(capacity, **i32), torch.zeros(1, 1, **i32), torch.zeros(capacity // 16, **i32),
+                            1, 16)
+        a, b = torch.zeros(capacity, inner, dtype=dtype), torch.zeros(capacity, outer, dtype=dtype)
+        a[lo:lo + rows], b[lo:lo + rows] = seg_a, seg_b
+        results.append((stages.weight_grad(a, b, schedule), stages.grouped_mm(a, weight, schedule)[lo:lo + rows]))
+    assert all(torch.equal(x, y) for x, y in zip(*results))
+
+
 def test_ep_rank_that_stops_is_an_error_not_a_hang(tmp_path):
     """The CPU transport's barriers are gloo monitored barriers bounded by Config.peer_timeout_s: the ranks
     still running get a RuntimeError that names the wait and the missing rank."""
