@@ -186,7 +186,7 @@ def serval_workspace(p, topk_ids, group, config):
     """The workspace serval.moe uses for these inputs (the same cached one: same buffers)."""
     (N, k), x = topk_ids.shape, p["x"]
     return functional.get_workspace(N, k, x.shape[1], p["w_gate"].shape[0] * group.size(), device=x.device,
-                                    config=config, group=group)
+                                    config=config, group=group, dtype=x.dtype)
 
 
 def serval_staged_forward(p, topk_ids, workspace, config, clock):

@@ -433,7 +433,7 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     if ep_size > 1:
         num_tokens, top_k = topk_ids.shape
         workspace_id = functional.get_workspace(num_tokens, top_k, x.shape[1], w_gate.shape[0] * ep_size,
-                                                device=x.device, config=config, group=group).id
+                                                device=x.device, config=config, group=group, dtype=x.dtype).id
     ws_gate, ws_up, ws_down = shared if shared is not None else (None, None, None)
     limit = None if swiglu_limit is None else float(swiglu_limit)
     outputs = torch.ops.serval.moe_forward(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up,

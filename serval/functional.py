@@ -30,6 +30,7 @@ Each pass runs its stages on one backend: `serval.kernels` (Triton) or
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import itertools
 from typing import NamedTuple
@@ -145,15 +146,28 @@ class Workspace:
 
 
 _PROBLEM_FIELDS = ("num_tokens (x.shape[0])", "top_k (topk_ids.shape[1])", "hidden (x.shape[1])",
-                   "num_experts (w_gate.shape[0] * group size)")
+                   "num_experts (w_gate.shape[0] * group size)", "dtype (x.dtype)")
+_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64)  # the dtype field's codes
 
 
-def _check_same_problem(group, problem: tuple[int, ...], device: torch.device) -> None:
-    """ValueError on every rank of `group` unless every rank passed the same problem sizes.
+def _check_same_problem(group, problem: tuple, device: torch.device, timeout_s: float) -> None:
+    """ValueError on every rank of `group` unless every rank passed the same problem sizes and dtype.
 
     One all-gather of a small int64 tensor (gloo or NCCL; a host sync, once per workspace), so
     that ranks that disagree fail together with a clear error instead of mismatching the
-    collectives that follow (which aborts gloo processes and hangs NCCL ones)."""
+    collectives that follow (which aborts gloo processes and hangs NCCL ones). On a gloo group a
+    monitored barrier bounded by `timeout_s` (Config.peer_timeout_s) comes first: a rank that never
+    gets here (its own inputs failed a check) is a RuntimeError on the others, not a wait as long as
+    the process group's timeout."""
+    if dist.get_backend(group) == "gloo":
+        try:
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"serval.moe: rank {dist.get_rank(group)} of the EP group waited {timeout_s:g} s "
+                f"(Config.peer_timeout_s) for the other ranks to set up the layer's workspace; a rank did not "
+                f"call the layer (or its inputs failed a check) ({error})") from error
+    problem = problem[:-1] + (_DTYPES.index(problem[-1]),)
     tensor_device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":  # NCCL moves CUDA tensors only
         tensor_device = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
@@ -161,23 +175,25 @@ def _check_same_problem(group, problem: tuple[int, ...], device: torch.device) -
     every = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(every, mine, group=group)
     every = [tuple(t.tolist()) for t in every]
+    every = [p[:-1] + (str(_DTYPES[p[-1]]).replace("torch.", ""),) for p in every]
     differ = [f"{name}: {[p[i] for p in every]}" for i, name in enumerate(_PROBLEM_FIELDS)
               if len({p[i] for p in every}) > 1]
     if differ:
-        raise ValueError("serval.moe: every rank of the EP group must pass the same problem sizes, but they "
-                         "differ across the ranks (by rank): " + "; ".join(differ))
+        raise ValueError("serval.moe: every rank of the EP group must pass the same problem sizes and dtype, but "
+                         "they differ across the ranks (by rank): " + "; ".join(differ))
 
 
 def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *, device=None,
-                     config: Config | None = None, group=None) -> Workspace:
-    """A new workspace for N tokens per rank, k slots, hidden size H and E experts in all
-    (collective over `group` when it has more than one rank: the ranks first check that they all
-    passed the same sizes, a ValueError on every rank otherwise; see `get_workspace` for the cached one)."""
+                     config: Config | None = None, group=None, dtype: torch.dtype | None = None) -> Workspace:
+    """A new workspace for N tokens per rank, k slots, hidden size H and E experts in all, for tokens of
+    `dtype` (collective over `group` when it has more than one rank: the ranks first check that they all
+    passed the same sizes and dtype, a ValueError on every rank otherwise; see `get_workspace` for the
+    cached one)."""
     config = config or Config()
     device = torch.device(device or "cpu")
     ep_size = 1 if group is None else group.size()
     if ep_size > 1:
-        _check_same_problem(group, (num_tokens, top_k, hidden, num_experts), device)
+        _check_same_problem(group, (num_tokens, top_k, hidden, num_experts, dtype), device, config.peer_timeout_s)
     if num_experts % ep_size:
         raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")
     experts_per_rank = num_experts // ep_size
@@ -208,16 +224,17 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
 
 
 @functools.lru_cache(maxsize=None)  # never evicted: the custom ops find workspaces by id, so each stays registered
-def _cached_workspace(num_tokens, top_k, hidden, num_experts, device, config, group):
-    return create_workspace(num_tokens, top_k, hidden, num_experts, device=device, config=config, group=group)
+def _cached_workspace(num_tokens, top_k, hidden, num_experts, device, config, group, dtype):
+    return create_workspace(num_tokens, top_k, hidden, num_experts, device=device, config=config, group=group,
+                            dtype=dtype)
 
 
 def get_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *, device=None,
-                  config: Config | None = None, group=None) -> Workspace:
+                  config: Config | None = None, group=None, dtype: torch.dtype | None = None) -> Workspace:
     """The workspace for this problem, created on first use and cached for the process (one per distinct
     problem and Config: a token count that varies from step to step reuses its earlier workspaces)."""
     return _cached_workspace(num_tokens, top_k, hidden, num_experts, torch.device(device or "cpu"),
-                             config or Config(), group)
+                             config or Config(), group, dtype)
 
 
 def workspace_by_id(ident: int) -> Workspace:

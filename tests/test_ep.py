@@ -134,6 +134,18 @@ def misuse_worker(rank, world_size, init_file, scenario):
                 local = [t[:N - 4] for t in local[:3]] + [local[3], shared, local[5][:N - 4]]
             with pytest.raises(ValueError, match=r"num_tokens \(x.shape\[0\]\): \[24, 20\]"):
                 layer_grads(*local, group=group, config=config)
+        elif scenario == "dtype":  # rank 1 runs in fp64: its peers would read its buffers as another dtype
+            if rank == 1:
+                local = [t.double() for t in local[:2]] + [local[2], [w.double() for w in local[3]],
+                                                           tuple(w.double() for w in shared), local[5].double()]
+            with pytest.raises(ValueError, match=r"dtype \(x.dtype\): \['float32', 'float64'\]"):
+                layer_grads(*local, group=group, config=config)
+        elif scenario == "ids_dtype":  # int64 ids on rank 0, int32 on rank 1: allowed, the same bits
+            good = layer_grads(*local, group=group, config=config)
+            if rank == 1:
+                local[2] = local[2].int()
+            again = layer_grads(*local, group=group, config=config)
+            assert all(torch.equal(a, b) for a, b in zip(good, again))
         elif scenario == "expert_ids":  # rank 1 passes an id past E: a host check on CPU, on every rank
             if rank == 1:
                 local[2] = local[2].clone()
@@ -351,7 +363,7 @@ def test_ep_cpu_without_numpy(tmp_path):
              nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("scenario", ["num_tokens", "expert_ids", "expert_ids_deferred"])
+@pytest.mark.parametrize("scenario", ["num_tokens", "dtype", "ids_dtype", "expert_ids", "expert_ids_deferred"])
 def test_ep_bad_input_is_the_same_error_on_every_rank(scenario, tmp_path):
     mp.spawn(misuse_worker, args=(2, str(tmp_path / "init"), scenario), nprocs=2, join=True)
 
