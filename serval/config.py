@@ -1,6 +1,7 @@
 """Tuning knobs of the serval MoE layer (`serval.Config`), validated on construction.
 
-A Config changes speed and memory, never the function computed. Knobs that
+A Config changes speed and memory, never the function computed (bitwise, but for d_router_weights' last
+bits under another down dgrad engine or tiles: `serval.plan`). Knobs that
 select numerics (`precision`) or the row layout (`block_m`) are part of the
 determinism contract: the same Config gives bitwise-identical results.
 """
@@ -38,8 +39,9 @@ class Config:
         (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: the forward's staged pull measured
         faster at EP=2, a measurement to repeat (docs/DESIGN.md); the backward's in-GEMM pull is not measured).
         Nothing to move at EP=1, on the torch stages or in FP8 (whose rows are pulled, then quantized): no
-        effect there. Never changes
-        results.
+        effect there. Changes no result but one: a backward that pulls in the down dgrad runs it on the Triton
+        engine, where the plan may give the ping-pong engine, and d_router_weights' fp32 row sums are grouped by
+        the engine (`serval.plan`: last-bit differences, deterministic).
     minibatch_size: rows per compute/communication overlap step, a multiple of block_m: in a GEMM that pulls
         its rows (comm_sms_* > 0), the compute programs take every output tile of one minibatch's rows before
         the next minibatch's (while that one arrives); None: MoK's rule, two full waves of tiles on the compute
@@ -49,7 +51,8 @@ class Config:
         with its ring buffer, which is not built: validated, read by nothing (`tools/ep_cost_model.py`).
     capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
     kernel_plan: the engine and tiles of every GEMM stage on the kernel backend (`serval.plan.KernelPlan`);
-        None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, never results.
+        None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed; of the results only
+        d_router_weights' last bits, by the down dgrad's engine and tiles (`serval.plan`).
     debug: check the expert ids at once on CUDA too, with a host sync: a ValueError in the call that
         passed them, instead of NaN outputs for that step and a ValueError in a later call.
     peer_timeout_s: at expert parallelism, how long a rank waits for the others at each of the transport's
