@@ -1,7 +1,7 @@
 """Tuning knobs of the serval MoE layer (`serval.Config`), validated on construction.
 
-A Config changes speed and memory, never the function computed (bitwise, but for d_router_weights' last
-bits under another down dgrad engine or tiles: `serval.plan`). Knobs that
+A Config changes speed and memory, never the function computed (bitwise: every engine and tile choice gives
+the same bits, `serval.plan`; in the CPU interpreter a plan's block_k is the one exception). Knobs that
 select numerics (`precision`) or the row layout (`block_m`) are part of the
 determinism contract: the same Config gives bitwise-identical results.
 """
@@ -51,8 +51,7 @@ class Config:
         with its ring buffer, which is not built: validated, read by nothing (`tools/ep_cost_model.py`).
     capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
     kernel_plan: the engine and tiles of every GEMM stage on the kernel backend (`serval.plan.KernelPlan`);
-        None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed; of the results only
-        d_router_weights' last bits, by the down dgrad's engine and tiles (`serval.plan`).
+        None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, not results.
     debug: check the expert ids at once on CUDA too, with a host sync: a ValueError in the call that
         passed them, instead of NaN outputs for that step and a ValueError in a later call.
     peer_timeout_s: at expert parallelism, how long a rank waits for the others at each of the transport's

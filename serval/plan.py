@@ -6,13 +6,12 @@ call; nothing in serval reads a module-level switch. A test or a benchmark that 
 builds its own plan (`dataclasses.replace(choose_plan(...), ...)`) and passes it as
 `Config(kernel_plan=...)` or to the stage functions directly.
 
-A plan changes speed, and results in one place only: every engine computes each GEMM output element with the
-same K order and rounding, so any plan gives the bits of any other for y, d_x and every weight gradient
-(`tests/test_kernels_*` check it). The exception is d_router_weights: its per-row fp32 sum over the I columns is
-grouped by the down dgrad's engine and column tiles (the ping-pong engine sums in its wgmma register layout, the
-Triton engine per block_n / epi_split chunk), so a plan that changes those changes its last bits (each plan is
-deterministic; the difference is fp32 rounding). Under the CPU interpreter block_k also changes the rounding
-(its emulated dot rounds once per K step).
+A plan changes speed, not results: every engine computes each GEMM output element with the same K order and
+rounding, so any plan gives the bits of any other for y, d_x and every weight gradient (`tests/test_kernels_*`
+check it), and d_router_weights, a per-row fp32 sum over the I columns that each engine and tile splits
+differently, is summed by all of them in one order (`kernels/swiglu.py`: a fixed tree per 16 columns, then the
+groups in column order), so a down dgrad's epilogue chunk (block_n // epi_split) is a multiple of 16 columns.
+Under the CPU interpreter block_k changes the rounding (its emulated dot rounds once per K step).
 
 Engines (one module each in `serval/kernels/`):
 * "triton": `triton_gemm`, the persistent Triton grouped GEMM; runs every stage, on every device
@@ -106,8 +105,7 @@ class KernelPlan:
     `fused_backward`: the same for the backward's down dgrad (with the SwiGLU backward) and gate/up dgrad: one
     launch on the Triton tiles above; at EP its first `dgrad_pull_programs` programs (at least one) pull d_y's
     rows and its gate/up dgrad tiles push d_x's rows into the owners' slots. Off: measured slower than the staged
-    launches at EP=1 (docs/reports/2026-12-02-fused-backward.md); not measured at EP. Where the staged down dgrad
-    runs on the ping-pong engine, d_router_weights then differs in its last bits (see the module docstring).
+    launches at EP=1 (docs/reports/2026-12-02-fused-backward.md); not measured at EP.
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"

@@ -356,7 +356,7 @@ def test_fused_backward_equals_staged(routing, minibatch, limit):
 def test_fused_backward_pointer_path_and_own_tiles():
     """The pointer path, and each GEMM with its own BLOCK_N / BLOCK_K / epilogue split (one BLOCK_M)."""
     case = backward_case("k1", 0.5)
-    dgrad_tiles = TileConfig(BLOCK_M, 16, 64, group_m=3, epi_split=2, epi_tma_stores=True)
+    dgrad_tiles = TileConfig(BLOCK_M, 32, 64, group_m=3, epi_split=2, epi_tma_stores=True)
     gate_up_dgrad_tiles = TileConfig(BLOCK_M, 64, 16, group_m=1, epi_split=4, flatten=False)
     want = staged_backward(case, 0.5, dgrad_tiles, gate_up_dgrad_tiles, use_tma=False)
     got = fused_backward(case, 0.5, 2 * BLOCK_M, dgrad_tiles=dgrad_tiles, gate_up_dgrad_tiles=gate_up_dgrad_tiles,
@@ -382,6 +382,7 @@ def test_fused_backward_argument_errors():
     call("w_down must be", w_down=case["w_down"].transpose(1, 2))
     call("one block_m", gate_up_dgrad_tiles=dataclasses.replace(TILES, block_m=16))
     call("dgrad_tiles.epi_split", dgrad_tiles=dataclasses.replace(TILES, epi_split=3))
+    call("multiple of 16 columns", dgrad_tiles=dataclasses.replace(TILES, block_n=16, epi_split=2))
     call("sync.flags holds", sync=ff.new_sync(schedule.capacity // BLOCK_M - 1, DEVICE))
 
 

@@ -93,8 +93,7 @@ def test_store_gemms_bitwise(name, stage):
 
 def test_layer_on_it():
     """serval.moe with the chosen plan (gate/up, down and gate/up dgrad on this engine) gives y and every
-    gradient of the Triton-only plan bit for bit but d_router_weights (the ping-pong dgrad sums its row
-    partials in another order); no host sync; a CUDA-graph replay equal to the eager step."""
+    gradient of the Triton-only plan bit for bit; no host sync; a CUDA-graph replay equal to the eager step."""
     from conftest import check_sync_free_and_graph_replay, cuda_layer_step
 
     step = cuda_layer_step()

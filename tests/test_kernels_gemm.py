@@ -252,6 +252,29 @@ def test_down_dgrad_swiglu(routing, limit, use_tma, epilogue_io):
     assert torch.equal(d_rw_rows[used:], torch.zeros_like(d_rw_rows[used:]))
 
 
+@pytest.mark.parametrize("inter", [INTER, 40])  # 40: the last 16-column group is partly past I
+def test_router_weight_grad_does_not_depend_on_the_tiles(inter):
+    """d_rw_rows is bit for bit the same for every down dgrad tile width and epilogue split (every engine sums a
+    row in swiglu.d_rw_group_sums' order), and so is what the rest of the stage writes. block_k stays fixed: the
+    interpreter's emulated dot rounds once per K step."""
+    case = make_case("random", inter=inter)
+    schedule = case["schedule"]
+    gate_up = _forward_reference(case, 0.5)[0]
+    args = (stages.gather(case["d_y"], schedule), case["w_down"], gate_up, case["router_weights"], schedule, 0.5)
+    base = triton_plan().down_dgrad_tiles
+    outs = []
+    for block_n, epi_split in [(16, 1), (32, 2), (64, 1), (64, 4), (128, 2)]:
+        tiles = dataclasses.replace(base, block_n=block_n, epi_split=epi_split)
+        outs.append(gemm_stages.down_dgrad_swiglu(*args, plan=triton_plan(down_dgrad_tiles=tiles)))
+    used = valid_rows(schedule)
+    for out in outs[1:]:
+        for name, got, want in zip(("d_gate_up", "h_weighted", "d_rw_rows"), out, outs[0]):
+            assert torch.equal(got[used], want[used]), name
+    with pytest.raises(ValueError, match="multiple of 16 columns"):
+        gemm_stages.down_dgrad_swiglu(*args, plan=triton_plan(
+            down_dgrad_tiles=dataclasses.replace(base, block_n=32, epi_split=4)))
+
+
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("use_tma", TMA_CHOICES)
 def test_gate_up_dgrad(routing, use_tma):

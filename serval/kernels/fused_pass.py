@@ -79,7 +79,7 @@ from ..plan import TileConfig
 from ..peers import PeerSlots
 from ..schedule import Schedule, packed_index
 from . import common, in_gemm_pull
-from .triton_gemm import _check, _descriptors, _gemm_tile, _tma_compatible
+from .triton_gemm import _check, _descriptors, _gemm_tile, _tma_compatible, check_d_rw_chunks, new_d_rw_partial
 
 FIRST, SECOND = 0, 1  # the GEMM of a task (forward: gate/up, down; backward: down dgrad, gate/up dgrad)
 
@@ -190,7 +190,7 @@ def _fused_pass_kernel(
     # [R, I] (forward h, backward rw * h); the second's: o [R, H] (forward o, backward d_x's rows)
     c_ptr, h_ptr, o_ptr,
     # backward: the kept gate_up [num_packed, 2I] (packed), router weights fp32 [N * k] by source, the router-weight
-    # gradient's row partials fp32 [R, n_first]
+    # gradient's row partials fp32 [R, ceil(I / 16)]
     gate_up_ptr, router_weights_ptr, d_rw_partial_ptr,
     HIDDEN, INTER, swiglu_limit,
     # Sync: counters int32 [2], flags int32 [2, num_flags], epoch int32 [1]
@@ -262,7 +262,7 @@ def _fused_pass_kernel(
             in_gemm_pull.wait_until(flags + m_tile, n_first, m_tile,
                                     "serval: fused pass timed out waiting for the first GEMM's M-tile ",
                                     PRINT_TIMEOUTS)
-            _gemm_tile(second_descs, m_tile, n_tile, n_second,
+            _gemm_tile(second_descs, m_tile, n_tile,
                        second_a_ptr, stride_second_a, num_rows, row_source_ptr, push_table_ptr, push_slots_per_rank,
                        tile_expert_ptr, sched_block_m, w_second0_ptr, w_second1_ptr, o_ptr, HIDDEN, o_ptr,
                        packed_ptr, o_ptr, o_ptr, o_ptr, HIDDEN, INTER, swiglu_limit,
@@ -274,7 +274,7 @@ def _fused_pass_kernel(
                                         "serval: fused pass timed out waiting for the pulled rows of M-tile ",
                                         PRINT_TIMEOUTS)
             # pointer stores (EPI_TMA_STORES False): the release below then covers them with one proxy fence
-            _gemm_tile(first_descs, m_tile, n_tile, n_first,
+            _gemm_tile(first_descs, m_tile, n_tile,
                        a_ptr, HIDDEN, num_rows, row_source_ptr, o_ptr, 0,
                        tile_expert_ptr, sched_block_m, w_first0_ptr, w_first1_ptr, c_ptr, 2 * INTER, h_ptr,
                        packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, INTER, HIDDEN, swiglu_limit,
@@ -525,7 +525,7 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     go straight into their owners' slots and d_x_rows is not made.
 
     Returns d_gate_up [R, 2I], h_weighted = rw * h [R, I], the router-weight gradient's row partials fp32
-    [R, ceil(I / dgrad_tiles.block_n)] (`triton_gemm.sum_partials` reduces them) and d_x_rows [R, H] (None with
+    [R, ceil(I / 16)] (`triton_gemm.sum_partials` reduces them) and d_x_rows [R, H] (None with
     push_to); rows past the used M-tiles are not written.
     """
     what = "fused_backward"
@@ -540,13 +540,14 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     block_m = _check_launch(what, d_y_rows, schedule, hidden, swiglu_limit, minibatch_rows,
                             {"dgrad_tiles": dgrad_tiles, "gate_up_dgrad_tiles": gate_up_dgrad_tiles}, sync, pull,
                             push_to, "d_y_rows")
+    check_d_rw_chunks(f"{what}: dgrad_tiles", dgrad_tiles.block_n, dgrad_tiles.epi_split)
     d_y_rows, w_gate, w_up, w_down = (d_y_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(),
                                       w_down.contiguous())
     dtype, device = d_y_rows.dtype, d_y_rows.device
     num_rows = schedule.capacity
     d_gate_up = common.empty((num_rows, 2 * inter), dtype, device)
     h_weighted = common.empty((num_rows, inter), dtype, device)
-    d_rw_partial = common.empty((num_rows, triton.cdiv(inter, dgrad_tiles.block_n)), torch.float32, device)
+    d_rw_partial = new_d_rw_partial(num_rows, inter, device)
     d_x_rows = common.empty((num_rows, hidden), dtype, device) if push_to is None else h_weighted  # a placeholder
     _launch(backward=True, a_rows=d_y_rows, w_first=(w_down, w_down), w_second=(w_gate, w_up), c=d_gate_up,
             h=h_weighted, o=d_x_rows, schedule=schedule, hidden=hidden, inter=inter, swiglu_limit=swiglu_limit,

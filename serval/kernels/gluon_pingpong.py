@@ -23,11 +23,12 @@ up in (a tile's rows that hold a source come first, with consecutive packed indi
 previous epilogue so that they land during this tile's K loop; the accumulator is processed in EPI_SPLIT
 column chunks of its wgmma layout (fewer live fp32 temporaries), each chunk's outputs overwriting its
 inputs in place (every thread writes the elements it read: no barrier) and filling h; TMA stores take
-the tile out. The row partials are summed over a row's N-tiles by `triton_gemm.sum_partials`.
+the tile out. The router-weight gradient's row partials, one per 16 columns, are summed in the order
+`swiglu.d_rw_group_sums` fixes for every engine, and over a row's groups by `triton_gemm.sum_partials`.
 
 Determinism: one program writes each output element, the K loop has one order (BLOCK_K steps, wgmma),
-no atomics; d_gate_up and h_weighted equal the Triton GEMM's bit for bit, d_rw within float rounding of
-it (its row sums run in another register layout), each deterministic. The mbarrier waits need no time
+no atomics; d_gate_up, h_weighted and the router-weight gradient's partials equal the Triton GEMM's bit for
+bit. The mbarrier waits need no time
 bound: every arrival they wait for is made unconditionally by the same program (TMA completion, a
 sibling warp's progress), as in any software-pipelined GEMM; serval's bound applies to waits on other
 programs and GPUs.
@@ -40,7 +41,7 @@ import triton
 
 from ..plan import GluonConfig
 from ..schedule import Schedule, packed_index
-from . import common, gluon_common, swiglu
+from . import common, gluon_common, swiglu, triton_gemm
 
 if gluon_common.GLUON:
     from triton.experimental import gluon
@@ -96,10 +97,19 @@ if gluon_common.GLUON:
         HALF_N: gl.constexpr = bufs.shape[2]
         return bufs.index(c * EPI_N // HALF_N).slice(c * EPI_N % HALF_N, EPI_N, dim=1)
 
+    @gluon.constexpr_function
+    def _d_rw_layout(block_m, groups):
+        """The router-weight gradient's [block_m, groups] partials in the warps and lanes that hold those rows of a
+        4-warp wgmma accumulator (block_m = 128): a quad's lanes hold one value each (rows 16w..16w+15 and
+        64+16w.. in warp w), so the layout change from the reduction's is within each warp."""
+        regs = [[0, 1 << i] for i in range(groups.bit_length() - 1)]
+        return gl.DistributedLinearLayout(regs, [[1, 0], [2, 0], [4, 0], [8, 0], [64, 0]], [[16, 0], [32, 0]], [],
+                                          [block_m, groups])
+
     @gluon.jit
     def _consumer(a_bufs, w_bufs, ready, empty, turn, gate_desc, gate_bufs, up_desc, dg_desc, du_desc, hw_desc,
                   up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
-                  packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit,
+                  packed_ptr, router_weights_ptr, d_rw_partial_ptr, num_groups, swiglu_limit,
                   CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   NUM_PROGRAMS: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -112,6 +122,7 @@ if gluon_common.GLUON:
         chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, EPI_N, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
+        group_layout: gl.constexpr = _d_rw_layout(BLOCK_M, EPI_N // 16)
         k_steps = gl.cdiv(K, BLOCK_K)
         seq = CONSUMER  # index of the tile in the program's list: the ring position follows from it
         for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_tiles, 2 * NUM_PROGRAMS):
@@ -149,8 +160,7 @@ if gluon_common.GLUON:
             mbarrier.wait(epi_turn.index(CONSUMER), ((seq // 2) & 1) ^ (1 - CONSUMER))
             mbarrier.wait(epi_ready, seq & 1)
             chunks = column_chunks(acc, EPI_SPLIT)
-            d_rw_part = gl.zeros((BLOCK_M,), dtype=gl.float32, layout=row_layout)
-            for c in gl.static_range(EPI_SPLIT):  # the row partials are added in column order
+            for c in gl.static_range(EPI_SPLIT):
                 gate_c = _chunk(gate_bufs, c, EPI_N)
                 up_c = _chunk(up_bufs, c, EPI_N)
                 d_h_raw = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True)
@@ -159,13 +169,20 @@ if gluon_common.GLUON:
                 pre_gate = gl.where(row_ok[:, None], pre_gate, gl.zeros_like(pre_gate))
                 pre_up = up_c.load(chunk_layout)
                 pre_up = gl.where(row_ok[:, None], pre_up, gl.zeros_like(pre_up))
-                d_gate, d_up, h_weighted, part = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit,
-                                                                 HAS_LIMIT)
-                d_rw_part += part
+                d_gate, d_up, h_weighted, d_rw_terms = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit,
+                                                                       HAS_LIMIT)
                 gate_c.store(d_gate)
                 up_c.store(d_up)
                 _chunk(h_bufs, c, EPI_N).store(h_weighted)
-            gl.store(d_rw_partial_ptr + rows.to(gl.int64) * num_n_tiles + n_tile, d_rw_part)
+                # the router-weight gradient's partials, one per 16 columns in swiglu's fixed tree: its first
+                # levels within each thread, its last two, (q0 + q2) + (q1 + q3) with q_l in lane l of a quad, as
+                # gl.sum's butterfly (xor 2, then xor 1; the same bits by commutativity), which uses no shared
+                # memory (the kernel has none to spare). tests/test_gluon_pingpong.py checks the bits on the GPU.
+                sums = gl.convert_layout(gl.sum(swiglu.d_rw_group_quads(d_rw_terms), axis=2), group_layout)
+                groups = (n0 + c * EPI_N) // 16 + gl.arange(0, EPI_N // 16, layout=gl.SliceLayout(0, group_layout))
+                group_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, group_layout))
+                gl.store(d_rw_partial_ptr + group_rows.to(gl.int64)[:, None] * num_groups + groups[None, :], sums,
+                         mask=(groups < num_groups)[None, :])
             fence_async_shared()
             gl.thread_barrier()
             for half in gl.static_range(2):
@@ -223,15 +240,16 @@ if gluon_common.GLUON:
         num_m_tiles = gl.load(expert_offsets_ptr + num_experts) // BLOCK_M
         num_n_tiles = gl.cdiv(N_OUT, BLOCK_N)
         num_tiles = num_m_tiles * num_n_tiles
+        num_groups = gl.cdiv(N_OUT, 16)  # the router-weight gradient's partials per row
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, gate_desc, gate_bufs, up_desc, dg_desc, du_desc,
                          hw_desc, up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K,
-                         row_source_ptr, packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 0, HAS_LIMIT,
-                         EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
+                         row_source_ptr, packed_ptr, router_weights_ptr, d_rw_partial_ptr, num_groups, swiglu_limit,
+                         0, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, gate_desc, gate_bufs, up_desc, dg_desc, du_desc,
                          hw_desc, up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K,
-                         row_source_ptr, packed_ptr, router_weights_ptr, d_rw_partial_ptr, swiglu_limit, 1, HAS_LIMIT,
-                         EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
+                         row_source_ptr, packed_ptr, router_weights_ptr, d_rw_partial_ptr, num_groups, swiglu_limit,
+                         1, HAS_LIMIT, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
             (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
                        num_m_tiles, num_n_tiles, K, GROUP_M, STAGES, NUM_PROGRAMS, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -247,13 +265,14 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
 
     d_y_rows bf16 [R, H]; w_down bf16 [E, H, I]; gate_up bf16 [num_packed, 2I] (packed); router_weights
     fp32 [N * k] (by source). Returns d_gate_up bf16 [R, 2I], h_weighted bf16 [R, I] and the router-weight
-    gradient's row partials fp32 [R, ceil(I / block_n)] (the caller sums them)."""
+    gradient's row partials fp32 [R, ceil(I / 16)] (`triton_gemm.sum_partials` adds them)."""
     num_experts, hidden, inter = w_down.shape
     num_rows, block_m = schedule.capacity, 128
     num_n_tiles = triton.cdiv(inter, block_n)
+    triton_gemm.check_d_rw_chunks("pingpong", block_n, config.epi_split)
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
-    d_rw_partial = common.empty((num_rows, num_n_tiles), torch.float32, gate_up.device)
+    d_rw_partial = triton_gemm.new_d_rw_partial(num_rows, inter, gate_up.device)
     views = (gate_up[:, :inter], gate_up[:, inter:], d_gate_up[:, :inter], d_gate_up[:, inter:], h_weighted)
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(d_y_rows.device.index), max_tiles))

@@ -68,12 +68,12 @@ def _backward_kernel(d_h_ptr, data_ptr, scale_ptr, packed_ptr, rw_ptr, d_gate_up
                                 2 * inter)
         pre_up = _dequantized(data_ptr, scale_ptr, packed, cols + inter, num_blocks, source_mask, SCALE_BLOCK, E8M0,
                               2 * inter)
-        d_gate, d_up, _, d_rw_part = swiglu_math.backward(d_h_raw, pre_gate.to(tl.bfloat16), pre_up.to(tl.bfloat16),
-                                                          rw, swiglu_limit, HAS_LIMIT)
+        d_gate, d_up, _, d_rw_terms = swiglu_math.backward(d_h_raw, pre_gate.to(tl.bfloat16), pre_up.to(tl.bfloat16),
+                                                           rw, swiglu_limit, HAS_LIMIT)
         out = d_gate_up_ptr + rows.to(tl.int64)[:, None] * (2 * inter) + cols[None, :]
         tl.store(out, d_gate, mask=mask)
         tl.store(out + inter, d_up, mask=mask)
-        d_rw += d_rw_part
+        d_rw += tl.sum(d_rw_terms, axis=1)
     tl.store(d_rw_ptr + rows, d_rw, mask=row_ok)
 
 

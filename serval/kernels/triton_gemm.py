@@ -50,8 +50,9 @@ M-tiles at a time across all N-tiles (`common.tile_coords`), so the SMs working 
 tiles (one expert's) and A tiles in L2.
 
 Determinism: every output element is written by exactly one program, the K loop runs in one fixed order,
-no atomics; the router-weight gradient's row partials are reduced over N-tiles in a fixed order by a
-second small kernel (`sum_partials`). Results do not depend on which SM ran a tile. Tile configurations
+no atomics; the router-weight gradient's row partials (one per 16 columns, each summed in the fixed tree of
+`swiglu.d_rw_group_sums`) are added in column order by a second small kernel (`sum_partials`), so its bits do
+not depend on the tiles or the engine either. Results do not depend on which SM ran a tile. Tile configurations
 come from the `serval.plan.KernelPlan`, never from timing.
 """
 
@@ -160,15 +161,20 @@ def _column_chunks(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl
 
 @triton.jit
 def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c1_desc, h_desc,
-                      c_ptr, stride_c, h_ptr, swiglu_limit,
+                      c_ptr, stride_c, h_ptr, d_rw_partial_ptr, swiglu_limit,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr):
     """swiglu.backward of one [BLOCK_M, BLOCK_N] chunk of the down dgrad, stored (d_gate, d_up into
-    d_gate_up's halves, h_weighted); returns its d_rw row partials."""
-    d_gate, d_up, h_weighted, d_rw_part = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit, HAS_LIMIT)
+    d_gate_up's halves, h_weighted, and the router-weight gradient's partials, one per 16 columns, into
+    d_rw_partial [R, ceil(n_limit / 16)])."""
+    d_gate, d_up, h_weighted, d_rw_terms = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit, HAS_LIMIT)
     _store_tile(c1_desc, c_ptr + n_limit, stride_c, d_up, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
     _store_tile(c0_desc, c_ptr, stride_c, d_gate, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
     _store_tile(h_desc, h_ptr, n_limit, h_weighted, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
-    return d_rw_part
+    num_groups = tl.cdiv(n_limit, 16)
+    groups = n0 // 16 + tl.arange(0, BLOCK_N // 16)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    tl.store(d_rw_partial_ptr + rows.to(tl.int64)[:, None] * num_groups + groups[None, :],
+             swiglu.d_rw_group_sums(d_rw_terms), mask=(groups < num_groups)[None, :])
 
 
 # ---------------------------------------------------------------- one output tile (shared with fused_pass)
@@ -229,7 +235,7 @@ def _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, c_ptr, stride_c, h_p
 
 @triton.jit
 def _gemm_tile(
-    descs, m_tile, n_tile, num_n_tiles,
+    descs, m_tile, n_tile,
     a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
     tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
     packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, N_OUT, K, swiglu_limit,
@@ -311,18 +317,16 @@ def _gemm_tile(
         ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0, N_OUT, EPI_N)
         g_next = tl.load(ptrs, mask=mask, other=0.0)
         u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
-        d_rw_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for c in tl.static_range(EPI_SPLIT):  # the row partials are added in column order
+        for c in tl.static_range(EPI_SPLIT):
             gate = g_next
             up = u_next
             if c + 1 < EPI_SPLIT:
                 ptrs, mask = _packed_tile_ptrs(gate_up_ptr, packed, n0 + (c + 1) * EPI_N, N_OUT, EPI_N)
                 g_next = tl.load(ptrs, mask=mask, other=0.0)
                 u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
-            d_rw_part += _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT,
-                                           c0_desc, c1_desc, h_desc, c_ptr, stride_c, h_ptr, swiglu_limit,
-                                           BLOCK_M, EPI_N, HAS_LIMIT, EPI_TMA_STORES)
-        tl.store(d_rw_partial_ptr + rows.to(tl.int64) * num_n_tiles + n_tile, d_rw_part)
+            _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT, c0_desc, c1_desc, h_desc,
+                              c_ptr, stride_c, h_ptr, d_rw_partial_ptr, swiglu_limit, BLOCK_M, EPI_N, HAS_LIMIT,
+                              EPI_TMA_STORES)
 
 
 # ---------------------------------------------------------------- the kernel
@@ -344,7 +348,7 @@ def _grouped_gemm_kernel(
     # [R, 2 N_OUT] (swiglu_bwd); h [R, N_OUT] (swiglu)
     c_ptr, stride_c, h_ptr,
     # swiglu: each row's packed index [R]; swiglu_bwd: gate_up packed [num_packed, 2 N_OUT], router weights
-    # [N * k], d_rw partials [R, num_n_tiles]
+    # [N * k], d_rw partials [R, ceil(N_OUT / 16)]
     packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr,
     N_OUT, K, swiglu_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -378,7 +382,7 @@ def _grouped_gemm_kernel(
         m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
         if PULL_PROGRAMS > 0:
             in_gemm_pull.wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile, PRINT_TIMEOUTS)
-        _gemm_tile(descs, m_tile, n_tile, num_n_tiles,
+        _gemm_tile(descs, m_tile, n_tile,
                    a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
                    tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
                    packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, N_OUT, K, swiglu_limit,
@@ -526,15 +530,15 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
                                pull: in_gemm_pull.Pull | None = None):
     """Down dgrad + SwiGLU backward: d_y_rows [R, H], w_down [E, H, I], gate_up [num_packed, 2I] (packed),
     router_weights fp32 [N * k] (by source). Returns d_gate_up [R, 2I], h_weighted = rw * h [R, I] and the
-    router-weight gradient's row partials fp32 [R, ceil(I / block_n)] (`sum_partials` reduces them). With
+    router-weight gradient's row partials fp32 [R, ceil(I / 16)] (`sum_partials` reduces them). With
     `pull`, d_y_rows is the contiguous buffer the GEMM's communication programs fill (as gate_up_swiglu's)."""
     _check(d_y_rows, w_down, gate_up)
     hidden, inter = w_down.shape[1:]
     num_rows = schedule.capacity
-    num_n_tiles = triton.cdiv(inter, tiles.block_n)
+    check_d_rw_chunks("tiles", tiles.block_n, tiles.epi_split)
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
-    d_rw_partial = common.empty((num_rows, num_n_tiles), torch.float32, gate_up.device)
+    d_rw_partial = new_d_rw_partial(num_rows, inter, gate_up.device)
     _launch(a=d_y_rows.contiguous(), weights=(w_down.contiguous(),), out=d_gate_up, h=h_weighted,
             schedule=schedule, n_out=inter, k=hidden, w_nk=False, k_split=False, epilogue="swiglu_bwd",
             tiles=tiles, use_tma=use_tma, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
@@ -542,13 +546,27 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     return d_gate_up, h_weighted, d_rw_partial
 
 
+def check_d_rw_chunks(name: str, block_n: int, epi_split: int) -> None:
+    """ValueError unless a down dgrad's epilogue chunks (block_n // epi_split columns) are whole groups of the
+    router-weight gradient's 16-column partials (`swiglu.D_RW_COLUMNS`)."""
+    if block_n % epi_split or (block_n // epi_split) % swiglu.D_RW_COLUMNS:
+        raise ValueError(f"{name}: the down dgrad's epilogue chunks (block_n {block_n} // epi_split {epi_split}) must "
+                         f"be a multiple of {swiglu.D_RW_COLUMNS} columns (the router-weight gradient's partials)")
+
+
+def new_d_rw_partial(num_rows: int, inter: int, device) -> torch.Tensor:
+    """The router-weight gradient's partials fp32 [R, ceil(I / 16)], one per row and group of 16 columns, written
+    by every down dgrad engine in the order `swiglu.d_rw_group_sums` fixes (`sum_partials` adds them)."""
+    return common.empty((num_rows, triton.cdiv(inter, swiglu.D_RW_COLUMNS)), torch.float32, device)
+
+
 def sum_partials(d_rw_partial, schedule: Schedule):
-    """d_rw_rows fp32 [R]: each row's partials [R, n] summed over its N-tiles in ascending order."""
-    num_rows, num_n_tiles = d_rw_partial.shape
+    """d_rw_rows fp32 [R]: each row's partials [R, n] (`new_d_rw_partial`) added in ascending column order."""
+    num_rows, num_groups = d_rw_partial.shape
     d_rw_rows = common.empty((num_rows,), torch.float32, d_rw_partial.device)
     block_r = 128
     _sum_partials_kernel[(triton.cdiv(num_rows, block_r),)](
-        d_rw_partial, d_rw_rows, schedule.expert_offsets, schedule.num_experts, num_rows, num_n_tiles,
+        d_rw_partial, d_rw_rows, schedule.expert_offsets, schedule.num_experts, num_rows, num_groups,
         BLOCK_R=block_r)
     return d_rw_rows
 
