@@ -14,9 +14,9 @@ The interpreter has no inline PTX and uses tl.sigmoid (the CPU tests compare aga
 The router-weight gradient d_rw[r] = <d_h_raw[r], h[r]> is a sum over I columns that every engine splits
 differently (tile widths, epilogue chunks, register layouts). So that its bits do not depend on the engine or
 its tiles, every engine sums it in one order, written here with explicit element-wise adds (reshape / split),
-which fix the order whatever the layout: per group of D_RW_COLUMNS = 16 consecutive columns a fixed tree
-(`d_rw_group_sums`), stored as a partial per group; `triton_gemm.sum_partials` then adds a row's groups in
-ascending order.
+which fix the order whatever the layout, on products the compiler cannot fuse into FMAs (`_product`): per
+group of D_RW_COLUMNS = 16 consecutive columns a fixed tree (`d_rw_group_sums`), stored as a partial per group;
+`triton_gemm.sum_partials` then adds a row's groups in ascending order.
 """
 
 from __future__ import annotations
@@ -92,12 +92,23 @@ def backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit, HAS_LIMIT: tl.constexp
     if HAS_LIMIT:
         d_silu = d_silu * (pre_gate <= swiglu_limit).to(tl.float32)
     h = (silu * up).to(dtype).to(tl.float32)  # the h `forward` stored: (gate * sig) * up, rounded once
-    d_rw_terms = d_h_raw * h
+    d_rw_terms = _product(d_h_raw, h)
     d_h = d_h_raw * rw[:, None]
     d_up = d_h * silu
     if HAS_LIMIT:
         d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(tl.float32)
     return (d_h * up * d_silu).to(dtype), d_up.to(dtype), (h * rw[:, None]).to(dtype), d_rw_terms
+
+
+@triton.jit
+def _product(a, b):
+    """a * b in fp32, rounded once: on the GPU `mul.rn`, which ptxas never contracts with a later add into an FMA
+    (where it would, the bits of `d_rw_group_sums` would depend on the code the compiler generates)."""
+    if _INTERPRET:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
