@@ -97,15 +97,6 @@ if gluon_common.GLUON:
         HALF_N: gl.constexpr = bufs.shape[2]
         return bufs.index(c * EPI_N // HALF_N).slice(c * EPI_N % HALF_N, EPI_N, dim=1)
 
-    @gluon.constexpr_function
-    def _d_rw_layout(block_m, groups):
-        """The router-weight gradient's [block_m, groups] partials in the warps and lanes that hold those rows of a
-        4-warp wgmma accumulator (block_m = 128): a quad's lanes hold one value each (rows 16w..16w+15 and
-        64+16w.. in warp w), so the layout change from the reduction's is within each warp."""
-        regs = [[0, 1 << i] for i in range(groups.bit_length() - 1)]
-        return gl.DistributedLinearLayout(regs, [[1, 0], [2, 0], [4, 0], [8, 0], [64, 0]], [[16, 0], [32, 0]], [],
-                                          [block_m, groups])
-
     @gluon.jit
     def _consumer(a_bufs, w_bufs, ready, empty, turn, gate_desc, gate_bufs, up_desc, dg_desc, du_desc, hw_desc,
                   up_bufs, h_bufs, epi_ready, epi_turn, num_tiles, num_m_tiles, num_n_tiles, K, row_source_ptr,
@@ -122,7 +113,6 @@ if gluon_common.GLUON:
         chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, EPI_N, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
-        group_layout: gl.constexpr = _d_rw_layout(BLOCK_M, EPI_N // 16)
         k_steps = gl.cdiv(K, BLOCK_K)
         seq = CONSUMER  # index of the tile in the program's list: the ring position follows from it
         for tile_id in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, num_tiles, 2 * NUM_PROGRAMS):
@@ -178,9 +168,10 @@ if gluon_common.GLUON:
                 # levels within each thread, its last two, (q0 + q2) + (q1 + q3) with q_l in lane l of a quad, as
                 # gl.sum's butterfly (xor 2, then xor 1; the same bits by commutativity), which uses no shared
                 # memory (the kernel has none to spare). tests/test_gluon_pingpong.py checks the bits on the GPU.
-                sums = gl.convert_layout(gl.sum(swiglu.d_rw_group_quads(d_rw_terms), axis=2), group_layout)
-                groups = (n0 + c * EPI_N) // 16 + gl.arange(0, EPI_N // 16, layout=gl.SliceLayout(0, group_layout))
-                group_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, group_layout))
+                sums = gl.sum(swiglu.d_rw_group_quads(d_rw_terms), axis=2)  # stored from the lanes that hold them
+                groups = (n0 + c * EPI_N) // 16 + gl.arange(0, EPI_N // 16,
+                                                            layout=gl.SliceLayout(0, sums.type.layout))
+                group_rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, sums.type.layout))
                 gl.store(d_rw_partial_ptr + group_rows.to(gl.int64)[:, None] * num_groups + groups[None, :], sums,
                          mask=(groups < num_groups)[None, :])
             fence_async_shared()
