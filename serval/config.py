@@ -39,9 +39,8 @@ class Config:
         (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: the forward's staged pull measured
         faster at EP=2, a measurement to repeat (docs/DESIGN.md); the backward's in-GEMM pull is not measured).
         Nothing to move at EP=1, on the torch stages or in FP8 (whose rows are pulled, then quantized): no
-        effect there. Changes no result but one: a backward that pulls in the down dgrad runs it on the Triton
-        engine, where the plan may give the ping-pong engine, and d_router_weights' fp32 row sums are grouped by
-        the engine (`serval.plan`: last-bit differences, deterministic).
+        effect there. Never changes results (a backward that pulls in the down dgrad runs it on the Triton
+        engine, which gives the ping-pong engine's bits, d_router_weights included: `serval.plan`).
     minibatch_size: rows per compute/communication overlap step, a multiple of block_m: in a GEMM that pulls
         its rows (comm_sms_* > 0), the compute programs take every output tile of one minibatch's rows before
         the next minibatch's (while that one arrives); None: MoK's rule, two full waves of tiles on the compute
