@@ -10,7 +10,7 @@ registries, since a custom op takes only tensors and plain scalars.
 
 Validation happens in three places:
 * `validate_inputs` (Python, before the op): shapes, dtypes, devices,
-  contiguity, k vs E, swiglu_limit; every message names the argument. Metadata
+  k vs E, swiglu_limit; every message names the argument (strided views are then copied). Metadata
   only, so it never syncs and also runs while tracing.
 * the expert-id range (a value check), inside the op: on CPU, or with
   `Config(debug=True)` (a host sync), a ValueError at once. On CUDA without debug
@@ -45,12 +45,13 @@ from .functional import ErrorFlags
 from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)  # topk_ids (others: as int64)
 
 
 # ---------------------------------------------------------------- validation
 
 def _check_tensor(name, t, layout, dtypes, device=None, dtype_note=""):
-    """t is a contiguous tensor of len(layout) dims, one of `dtypes`, on `device`."""
+    """t is a tensor of len(layout) dims, one of `dtypes`, on `device` (any strides: `moe` makes it contiguous)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
     ndim = layout.count(",") + 1
@@ -61,8 +62,6 @@ def _check_tensor(name, t, layout, dtypes, device=None, dtype_note=""):
         raise TypeError(f"{name} must have dtype {expected}{dtype_note}, got {str(t.dtype).replace('torch.', '')}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device} (the device of x), got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous())")
 
 
 def _check_shape(name, t, expected, note=""):
@@ -86,7 +85,7 @@ def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, s
     rw_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     _check_tensor("router_weights", router_weights, "[N, k]", (rw_dtype,), x.device,
                   " (router weights are float32, float64 when x is float64)")
-    _check_tensor("topk_ids", topk_ids, "[N, k]", (torch.int32, torch.int64), x.device)
+    _check_tensor("topk_ids", topk_ids, "[N, k]", INDEX_DTYPES, x.device)
     for name, t in (("router_weights", router_weights), ("topk_ids", topk_ids)):
         if t.shape[0] != num_tokens:
             raise ValueError(f"{name} must have one row per token of x (N = x.shape[0] = {num_tokens}), "
@@ -374,6 +373,17 @@ def _backward(ctx, d_y, *_unused_output_grads):  # the unused ones arrive as Non
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("serval.moe has first derivatives only: differentiating its gradients "
+                              "(double backward, e.g. torch.autograd.grad(..., create_graph=True) then backward "
+                              "through them) is not supported")
+
+
+# a graph built through the backward (create_graph=True) ends here with that message, not with torch's "no
+# autograd formula" for an internal op
+_moe_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # ---------------------------------------------------------------- public entry point
 
 def quantize_expert_weights(w_gate, w_up, w_down, precision_name: str) -> precision.ExpertWeights:
@@ -405,7 +415,8 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
     x [N, H]; router_weights [N, k] fp32 (fp64 when x is fp64; differentiable); topk_ids [N, k] int
-    (global expert ids in [0, E)); w_gate, w_up [E_local, I, H], w_down [E_local, H, I] (nn.Linear
+    (int32 or int64; int8, uint8 and int16 are taken as int64; global expert ids in [0, E)); any strides (views
+    are copied to dense tensors); w_gate, w_up [E_local, I, H], w_down [E_local, H, I] (nn.Linear
     layout); shared = (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is]) or None; group: the
     expert-parallel process group (None: EP=1); config: `serval.Config`; swiglu_limit: before SwiGLU,
     the gate clamped to max=limit and up to [-limit, limit], in the routed experts and the shared
@@ -421,6 +432,12 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
         raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
     ep_size = 1 if group is None else group.size()
     validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit, ep_size)
+    # the op and its kernels take dense rows and int32 / int64 ids: strided views are copied (autograd sees the
+    # copies, so the gradients still reach the views' bases)
+    x, router_weights, w_gate, w_up, w_down = (t.contiguous() for t in (x, router_weights, w_gate, w_up, w_down))
+    topk_ids = topk_ids.contiguous() if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int64)
+    if shared is not None:
+        shared = tuple(t.contiguous() for t in shared)
     recipe = precision.recipe_of(config.precision)
     if recipe is not None:
         precision.check_inputs(recipe, x.dtype, w_gate.shape[1], config.block_m)

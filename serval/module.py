@@ -1,7 +1,7 @@
 """`serval.MoE`: a drop-in mixture-of-experts block (router, routed SwiGLU experts, optional shared expert).
 
 The router is a bias-free linear layer computed in fp32 (fp64 for an fp64 layer: the
-router weights the layer takes have that dtype); scores are a softmax
+router weights the layer takes have that dtype), autocast or not; scores are a softmax
 over all experts (renormalised over the top-k by default off) or per-expert
 sigmoids (renormalised by default on, as in DeepSeek-V3-style routers). Ties in
 top-k are broken by torch.topk, which is deterministic for a given device.
@@ -85,8 +85,9 @@ class MoE(nn.Module):
         """(router_weights [N, k], topk_ids [N, k]) for tokens x [N, H]; the weights are fp32 (fp64 when x is
         fp64), as `serval.moe` takes them."""
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
-        scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run the router in bf16 / fp16
+            logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
+            scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
         weights, ids = scores.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -100,31 +101,53 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_weights=None) -> torch.Tensor:
         """y [..., hidden_size] for x [..., hidden_size] (the module's dtype and device); expert_weights: this
-        step's `quantize_expert_weights()` (FP8 precisions; None: quantized in the call)."""
-        self._check_input(x)
+        step's `quantize_expert_weights()` (FP8 precisions; None: quantized in the call).
+
+        Under torch.autocast (bf16) the experts run in bf16 on bf16 copies of the weights (x of any float dtype
+        is cast), as autocast runs nn.Linear; the router stays in fp32. An empty batch gives an empty y."""
+        compute_dtype = self._check_input(x)
         shape = x.shape
-        tokens = x.reshape(-1, self.hidden_size).contiguous()
-        router_weights, topk_ids = self.route(tokens)
-        shared = None
+        tokens = x.reshape(-1, self.hidden_size)
+        weights = [self.w_gate, self.w_up, self.w_down]
         if self.shared is not None:
-            shared = (self.shared["gate"].weight, self.shared["up"].weight, self.shared["down"].weight)
-        y = moe(tokens, router_weights, topk_ids, self.w_gate, self.w_up, self.w_down, shared,
-                group=self.group, config=self.config, swiglu_limit=self.swiglu_limit, expert_weights=expert_weights)
+            weights += [self.shared["gate"].weight, self.shared["up"].weight, self.shared["down"].weight]
+        if tokens.shape[0] == 0:  # nothing to route; zero gradients reach every parameter and x
+            return tokens.new_zeros(shape, dtype=compute_dtype) + sum(
+                w[:0].sum() for w in [x, self.router.weight, *weights])
+        router_weights, topk_ids = self.route(tokens)
+        weights = [w.to(compute_dtype) for w in weights]
+        with torch.autocast(x.device.type, enabled=False):
+            y = moe(tokens.to(compute_dtype), router_weights, topk_ids, *weights[:3],
+                    tuple(weights[3:]) if self.shared is not None else None, group=self.group, config=self.config,
+                    swiglu_limit=self.swiglu_limit, expert_weights=expert_weights)
         return y.view(shape)
 
-    def _check_input(self, x) -> None:
-        """x must be a tensor [..., hidden_size] of the parameters' dtype, on their device (else the layer's
-        checks would name its internal arguments, not x)."""
+    def _check_input(self, x) -> torch.dtype:
+        """The dtype the experts compute in: the parameters', or under torch.autocast its dtype. x must be a
+        tensor [..., hidden_size] of that dtype (under autocast any float dtype), on the parameters' device
+        (else the layer's checks would name its internal arguments, not x)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [..., hidden_size], got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must have last dimension hidden_size = {self.hidden_size}, got shape {tuple(x.shape)}")
         weight = self.w_gate
+        if weight.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"the module's parameters are {weight.dtype}; serval computes in "
+                            f"{[str(d) for d in FLOAT_DTYPES]}: convert the module (e.g. .bfloat16())")
+        if x.device != weight.device:
+            raise ValueError(f"x must be on the device of the module's parameters ({weight.device}), got {x.device}")
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            if dtype not in FLOAT_DTYPES:
+                raise TypeError(f"serval.MoE under torch.autocast(dtype={dtype}): serval computes in "
+                                f"{[str(d) for d in FLOAT_DTYPES]}: autocast with dtype=torch.bfloat16")
+            if not x.is_floating_point():
+                raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+            return dtype
         if x.dtype != weight.dtype:
             raise TypeError(f"x must have the dtype of the module's parameters ({weight.dtype}), got {x.dtype}: "
                             f"convert x, or the module with .to({x.dtype})")
-        if x.device != weight.device:
-            raise ValueError(f"x must be on the device of the module's parameters ({weight.device}), got {x.device}")
+        return weight.dtype
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.w_gate.shape[1]}, "

@@ -41,6 +41,44 @@ def test_module_arguments():
     assert "num_experts=4" in repr(serval.MoE(8, 8, 4, 2))
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_module_under_autocast(scoring, param_dtype):
+    """torch.autocast(bf16) with fp32 (or bf16) parameters: the experts run in bf16 on bf16 copies of the weights,
+    the router in fp32 on x as given; gradients reach the parameters in their own dtype."""
+    torch.manual_seed(0)
+    block = serval.MoE(32, 24, 6, 2, shared_intermediate_size=8, scoring=scoring, dtype=param_dtype,
+                       config=serval.Config(block_m=16))
+    x = torch.randn(9, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == param_dtype for p in block.parameters())
+    assert x.grad.dtype == torch.float32
+    with torch.no_grad():  # the same as serval.moe on bf16 copies, routed from x in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = block(x)
+        router_weights, topk_ids = block.route(x)
+        bf16 = [w.bfloat16() for w in (block.w_gate, block.w_up, block.w_down)]
+        shared = tuple(block.shared[n].weight.bfloat16() for n in ("gate", "up", "down"))
+        assert torch.equal(y, serval.moe(x.bfloat16(), router_weights, topk_ids, *bf16, shared,
+                                         config=block.config))
+
+
+def test_module_empty_batch_and_fp16():
+    block = serval.MoE(16, 8, 4, 2, shared_intermediate_size=6)
+    x = torch.randn(0, 16, requires_grad=True)
+    y = block(x)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in block.parameters())
+    assert block(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+    block.half()
+    with pytest.raises(TypeError, match="parameters are torch.float16"):
+        block(torch.randn(3, 16).half())
+
+
 def test_demo_is_bitwise_repeatable(capsys):
     from serval.__main__ import main
 
