@@ -14,6 +14,7 @@ import time
 import torch
 
 import serval
+from serval import precision
 
 
 def train(args, device, dtype, precision="bf16") -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -161,6 +162,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.top_k > args.experts:
         args.subparser.error(f"argument --top-k: must be at most --experts ({args.experts}), got {args.top_k}")
+    recipe = precision.recipe_of(args.precision)
+    if recipe is not None:
+        try:
+            precision.check_sizes(recipe, args.inter, serval.Config().block_m)
+        except ValueError as error:
+            args.subparser.error(f"argument --inter: {error}")
     return demo(args)
 
 

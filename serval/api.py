@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import functional, precision
+from . import precision as _precision  # for `quantize_expert_weights`, whose argument is named precision
 from .config import Config, config_by_id, config_id
 from .functional import ErrorFlags
 from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
@@ -386,17 +387,17 @@ _moe_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, i
 
 # ---------------------------------------------------------------- public entry point
 
-def quantize_expert_weights(w_gate, w_up, w_down, precision_name: str) -> precision.ExpertWeights:
+def quantize_expert_weights(w_gate, w_up, w_down, precision: str) -> _precision.ExpertWeights:
     """The routed experts' weights in the form the GEMMs of an FP8 precision read ("mxfp8" or "fp8_blockwise";
     `serval.precision.ExpertWeights` says what each holds), for `moe(..., expert_weights=...)`: quantize once
     after each optimizer step, and every micro-batch of the step reuses them (gradient accumulation then
     quantizes the weights once, not twice per micro-batch). The values are the caller's to keep current: stale
     ones give the results of the weights they were made from. w_gate, w_up [E_local, I, H] and w_down
     [E_local, H, I] bf16, as passed to `moe`."""
-    recipe = precision.recipe_of(precision_name)
+    recipe = _precision.recipe_of(precision)
     if recipe is None:
-        raise ValueError(f"precision must be one of {tuple(precision.RECIPES)} (bf16 weights need no quantizing), "
-                         f"got {precision_name!r}")
+        raise ValueError(f"precision must be one of {tuple(_precision.RECIPES)} (bf16 weights need no quantizing), "
+                         f"got {precision!r}")
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(w, Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
             got = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, Tensor) else type(w).__name__
@@ -404,9 +405,9 @@ def quantize_expert_weights(w_gate, w_up, w_down, precision_name: str) -> precis
     if w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise ValueError(f"w_gate, w_up must be [E, I, H] and w_down [E, H, I], got {tuple(w_gate.shape)}, "
                          f"{tuple(w_up.shape)}, {tuple(w_down.shape)}")
-    precision.check_inputs(recipe, w_gate.dtype, w_gate.shape[1], recipe.block)
+    _precision.check_inputs(recipe, w_gate.dtype, w_gate.shape[1], recipe.block)
     with torch.no_grad():
-        return precision.expert_weights(recipe, w_gate.detach(), w_up.detach(), w_down.detach())
+        return _precision.expert_weights(recipe, w_gate.detach(), w_up.detach(), w_down.detach())
 
 
 def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group=None, config=None,

@@ -86,6 +86,13 @@ class Config:
             raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
         if not _is_int(self.block_m) or self.block_m not in (16, 32, 64, 128, 256):
             raise ValueError(f"Config.block_m must be one of 16, 32, 64, 128, 256, got {self.block_m!r}")
+        if self.precision != "bf16":
+            from .precision import RECIPES  # here, not at the top: serval.precision imports the stages
+
+            block = RECIPES[self.precision].block
+            if self.block_m % block:
+                raise ValueError(f"Config.block_m must be a multiple of {block} for precision={self.precision!r} "
+                                 f"(a {block}-row block along tokens must not span two experts), got {self.block_m}")
         for name in ("recompute", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")

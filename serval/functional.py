@@ -429,7 +429,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     else:
         precision.check_inputs(recipe, x.dtype, w_gate.shape[1], schedule.block_m)
         if config.debug:
-            precision.check_finite("x", x)
+            for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+                precision.check_finite(name, t)
         x_rows = None if transport is None else transport.pull(x, schedule.row_source)
         out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
                                       expert_weights)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import precision
 from .api import FLOAT_DTYPES, check_swiglu_limit, moe, quantize_expert_weights
 from .config import Config
 
@@ -49,6 +50,9 @@ class MoE(nn.Module):
             raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        recipe = precision.recipe_of((config or Config()).precision)
+        if recipe is not None:  # the sizes now; the dtype (bf16, or autocast to it) at the call
+            precision.check_sizes(recipe, intermediate_size, (config or Config()).block_m)
         ep_size = 1 if group is None else group.size()
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")

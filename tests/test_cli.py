@@ -29,6 +29,7 @@ def cli_error(capsys, argv):
     (["demo", "--log-every", "0"], "--log-every"),
     (["demo", "--seed", "-3"], "--seed: expected an integer >= 0"),
     (["demo", "--device", "tpu"], "--device: expected cpu, cuda or cuda:<index>"),
+    (["demo", "--precision", "fp8_blockwise", "--inter", "96"], "--inter: precision='fp8_blockwise' needs"),
     ([], "COMMAND"),
 ])
 def test_bad_option_is_one_line_and_exit_code_2(capsys, argv, expected):

@@ -142,16 +142,20 @@ def test_bad_config():
 
 @pytest.mark.parametrize("precision", ["mxfp8", "fp8_blockwise"])
 def test_fp8_precision_errors_name_what_to_change(precision):
-    """A block_m the recipe cannot take, at every entry point; a forward context of another precision."""
-    config = serval.Config(precision=precision, block_m=16)
-    inputs = layer_inputs(dtype=torch.bfloat16)
+    """A block_m the recipe cannot take, at every entry point (the Config itself; a schedule of that block_m in
+    the lower layer); sizes the recipe cannot take, at serval.MoE's construction; a forward context of another
+    precision."""
     message = "Config.block_m must be a multiple of"
     with pytest.raises(ValueError, match=message):
-        call(inputs, config=config)
+        serval.Config(precision=precision, block_m=16)
+    inputs = layer_inputs(dtype=torch.bfloat16)
     x, rw, ids, wg, wu, wd, shared = inputs.values()
     schedule = functional.build_schedule(ids, E, block_m=16)
     with pytest.raises(ValueError, match=message):
-        functional.forward(x, rw, schedule, wg, wu, wd, shared, config=config)
+        functional.forward(x, rw, schedule, wg, wu, wd, shared, config=serval.Config(precision=precision))
+    if precision == "fp8_blockwise":
+        with pytest.raises(ValueError, match="multiple of 128"):
+            serval.MoE(H, 96, E, K, config=serval.Config(precision=precision))
     y, ctx = functional.forward(x, rw, schedule, wg, wu, wd, shared, config=serval.Config(block_m=16))
     with pytest.raises(ValueError, match=f"forward context was made in bf16, not {precision}"):
         functional.backward(torch.ones_like(y), ctx, x, rw, wg, wu, wd, shared,

@@ -178,6 +178,14 @@ def test_expert_weights_errors():
         serval.quantize_expert_weights(*weights, "bf16")
     with pytest.raises(ValueError, match="w_down must be a 3-D bfloat16 tensor"):
         serval.quantize_expert_weights(weights[0], weights[1], weights[2].float(), "mxfp8")
+    strided = made._replace(down=made.down._replace(data=made.down.data.transpose(1, 2).contiguous().transpose(1, 2)))
+    with pytest.raises(ValueError, match="expert_weights must be"):  # a view the GEMMs cannot read
+        serval.moe(x, rw, ids, *weights, config=serval.Config(precision="fp8_blockwise"), expert_weights=strided)
+    assert serval.quantize_expert_weights(*weights, precision="fp8_blockwise").down.data.equal(made.down.data)
+    poisoned = weights[0].clone()
+    poisoned[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="w_gate holds NaN or Inf"):
+        serval.moe(x, rw, ids, poisoned, *weights[1:], config=serval.Config(precision="mxfp8", debug=True))
 
 
 @pytest.mark.parametrize("precision", ["fp8_blockwise"])
