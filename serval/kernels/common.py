@@ -2,7 +2,8 @@
 allocator, SM count, output allocation, the persistent grouped GEMMs' tile order.
 
 Under TRITON_INTERPRET=1 (CPU CI) kernels run on numpy, where bf16 `tl.dot` is wrong: kernels take
-`UPCAST=INTERPRET` and upcast dot operands to fp32 there, and skip TMA descriptors.
+`UPCAST=INTERPRET` and upcast dot operands to fp32 there, and skip TMA descriptors; and where the cast to bf16
+truncates: outputs are rounded with `to_dtype`, as the GPU rounds them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton.language as tl
 from ..plan import Target
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
 
 # Test hook: fill every kernel output with NaN before the kernel runs, so unwritten elements show.
 POISON_OUTPUTS = os.environ.get("SERVAL_POISON_OUTPUTS", "0") == "1"
@@ -60,6 +62,38 @@ def install_tma_allocator() -> None:
     autograd's own thread, where a setting made in the main thread is not seen.
     """
     triton.set_allocator(_tma_workspace)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> the nearest bf16 value (round to nearest even), still in fp32. Integer trick: the interpreter's
+    `.to(tl.bfloat16)` truncates. NaN kept (the integer add could carry a NaN into Inf or wrap)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def bf16_to_f32(x):
+    """bf16 -> fp32 by bits (the interpreter's cast loses bf16 subnormals; on the GPU it is this shift)."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16(x):
+    """fp32 holding a bf16 value (`round_bf16`'s output) -> bf16 by bits, exact (the interpreter's cast loses
+    subnormals)."""
+    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def to_dtype(x, DTYPE: tl.constexpr):
+    """x.to(DTYPE) as the GPU rounds it (nearest even) in the interpreter too, whose cast to bf16 truncates (a
+    bias of half an ulp per rounding); on the GPU this is the cast itself."""
+    if _INTERPRET and DTYPE == tl.bfloat16:
+        return f32_to_bf16(round_bf16(x.to(tl.float32)))
+    else:
+        return x.to(DTYPE)
 
 
 @triton.jit

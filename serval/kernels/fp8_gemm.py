@@ -120,7 +120,7 @@ def _fp8_gemm_kernel(
 
         out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + rows.to(tl.int64)[:, None] * stride_out_m
                     + cols[None, :])
-        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out_ptrs, common.to_dtype(acc, tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ---------------------------------------------------------------- checks

@@ -29,28 +29,6 @@ from . import common
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (round to nearest even), still in fp32. Integer trick: the interpreter's
-    `.to(tl.bfloat16)` truncates. NaN kept (the integer add could carry a NaN into Inf or wrap)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-
-
-@triton.jit
-def _bf16_to_f32(x):
-    """bf16 -> fp32 by bits (the interpreter's cast loses bf16 subnormals; on the GPU it is this shift)."""
-    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _f32_to_bf16(x):
-    """fp32 holding a bf16 value (`_round_bf16`'s output) -> bf16 by bits, exact (the interpreter's cast loses
-    subnormals)."""
-    return (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _round_e4m3(q):
     """fp32 -> the nearest e4m3 value (RNE, subnormals included, saturated to +-448), still in fp32.
     Explicit rounding, not `.to(tl.float8e4nv)` alone: the interpreter's cast misrounds ties (and worse);
@@ -107,13 +85,13 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
         x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :] * stride_tc,
                     mask=mask, other=0.0)
     if x.dtype == tl.bfloat16:
-        x = _bf16_to_f32(x)
+        x = common.bf16_to_f32(x)
     else:
         x = x.to(tl.float32)
     if HAS_ROW_SCALE:
         x = x * tl.load(row_scale_ptr + rows, mask=rows < R, other=0.0)[:, None]
     if ROUND_INPUT:
-        x = _round_bf16(x)
+        x = common.round_bf16(x)
 
     # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
     abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -166,10 +144,10 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
         else:
             # 2^exp (exp = -127: the subnormal 2^-127, bits 0x400000); r * 2^exp is exact in fp32, rounded once to bf16
             pow2 = tl.where(exp > -127, (exp + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
-            deq = _round_bf16(r * pow2)
+            deq = common.round_bf16(r * pow2)
         deq = tl.where(bad, float("nan"), deq)
         if not FP32_SCALE:
-            deq = _f32_to_bf16(deq)
+            deq = common.f32_to_bf16(deq)
         tl.store(deq_ptr + e * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :], deq, mask=mask)
 
 
@@ -247,7 +225,7 @@ def _dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, C, n_scale_r, n_scale_c,
         scale = tl.where(byte == 255, float("nan"), bits.to(tl.float32, bitcast=True))
     out = value * scale
     if OUT_BF16:
-        out = _f32_to_bf16(_round_bf16(out))
+        out = common.f32_to_bf16(common.round_bf16(out))
     tl.store(out_ptr + e * R * C + offsets, out, mask=mask)
 
 

@@ -63,7 +63,7 @@ def _sum_slots_kernel(rows_ptr, stride_rows, weights_ptr, source_row_ptr, shared
             value = weight[:, None] * value
         total = total + value
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :],
-             total.to(out_ptr.dtype.element_ty), mask=mask)
+             common.to_dtype(total, out_ptr.dtype.element_ty), mask=mask)
 
 
 def gather(t: torch.Tensor, schedule: Schedule) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import INTERPRET
+from .common import INTERPRET, to_dtype
 
 _INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
 D_RW_COLUMNS = 16  # columns per router-weight-gradient partial (an epilogue chunk is a whole number of them)
@@ -91,13 +91,13 @@ def backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit, HAS_LIMIT: tl.constexp
     d_silu = sig * (1 + gate * (1 - sig))
     if HAS_LIMIT:
         d_silu = d_silu * (pre_gate <= swiglu_limit).to(tl.float32)
-    h = (silu * up).to(dtype).to(tl.float32)  # the h `forward` stored: (gate * sig) * up, rounded once
+    h = to_dtype(silu * up, dtype).to(tl.float32)  # the h `forward` stored: (gate * sig) * up, rounded once
     d_rw_terms = _product(d_h_raw, h)
     d_h = d_h_raw * rw[:, None]
     d_up = d_h * silu
     if HAS_LIMIT:
         d_up = d_up * ((pre_up >= -swiglu_limit) & (pre_up <= swiglu_limit)).to(tl.float32)
-    return (d_h * up * d_silu).to(dtype), d_up.to(dtype), (h * rw[:, None]).to(dtype), d_rw_terms
+    return to_dtype(d_h * up * d_silu, dtype), to_dtype(d_up, dtype), to_dtype(h * rw[:, None], dtype), d_rw_terms
 
 
 @triton.jit

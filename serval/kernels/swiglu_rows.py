@@ -33,7 +33,8 @@ def _forward_kernel(gate_up_ptr, h_ptr, num_rows, inter, swiglu_limit, HAS_LIMIT
     gate = tl.load(base, mask=mask, other=0.0)
     up = tl.load(base + inter, mask=mask, other=0.0)
     h = swiglu_math.forward(gate, up, swiglu_limit, HAS_LIMIT)
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :], common.to_dtype(h, h_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -68,8 +69,9 @@ def _backward_kernel(d_h_ptr, data_ptr, scale_ptr, packed_ptr, rw_ptr, d_gate_up
                                 2 * inter)
         pre_up = _dequantized(data_ptr, scale_ptr, packed, cols + inter, num_blocks, source_mask, SCALE_BLOCK, E8M0,
                               2 * inter)
-        d_gate, d_up, _, d_rw_terms = swiglu_math.backward(d_h_raw, pre_gate.to(tl.bfloat16), pre_up.to(tl.bfloat16),
-                                                           rw, swiglu_limit, HAS_LIMIT)
+        d_gate, d_up, _, d_rw_terms = swiglu_math.backward(d_h_raw, common.to_dtype(pre_gate, tl.bfloat16),
+                                                           common.to_dtype(pre_up, tl.bfloat16), rw, swiglu_limit,
+                                                           HAS_LIMIT)
         out = d_gate_up_ptr + rows.to(tl.int64)[:, None] * (2 * inter) + cols[None, :]
         tl.store(out, d_gate, mask=mask)
         tl.store(out + inter, d_up, mask=mask)

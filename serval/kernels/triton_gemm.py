@@ -286,11 +286,11 @@ def _gemm_tile(
                                      1, False, PUSH_ALIGNED, dtype)
         for c in tl.static_range(EPI_SPLIT):
             cols = n0 + c * EPI_N + tl.arange(0, EPI_N)
-            tl.store(slot_rows[:, None] + cols[None, :], chunks0[c].to(dtype),
+            tl.store(slot_rows[:, None] + cols[None, :], common.to_dtype(chunks0[c], dtype),
                      mask=valid[:, None] & (cols < N_OUT)[None, :])
     elif EPILOGUE == "store":
         for c in tl.static_range(EPI_SPLIT):
-            _store_tile(c0_desc, c_ptr, stride_c, chunks0[c].to(dtype), m0, n0 + c * EPI_N, N_OUT,
+            _store_tile(c0_desc, c_ptr, stride_c, common.to_dtype(chunks0[c], dtype), m0, n0 + c * EPI_N, N_OUT,
                         BLOCK_M, EPI_N, EPI_TMA_STORES)
 
     elif EPILOGUE == "swiglu_fwd":
@@ -299,13 +299,13 @@ def _gemm_tile(
         for c in tl.static_range(EPI_SPLIT):
             # gate_up is stored rounded (packed: kept for backward); h is computed from the rounded
             # values, as the torch stage does
-            gate = chunks0[c].to(dtype)
-            up = chunks1[c].to(dtype)
+            gate = common.to_dtype(chunks0[c], dtype)
+            up = common.to_dtype(chunks1[c], dtype)
             ptrs, mask = _packed_tile_ptrs(c_ptr, packed, n0 + c * EPI_N, N_OUT, EPI_N)
             tl.store(ptrs, gate, mask=mask)
             tl.store(ptrs + N_OUT, up, mask=mask)
             h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT)
-            _store_tile(h_desc, h_ptr, N_OUT, h.to(dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
+            _store_tile(h_desc, h_ptr, N_OUT, common.to_dtype(h, dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
                         EPI_TMA_STORES)
 
     else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e], the unscaled d_h

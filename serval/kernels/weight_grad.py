@@ -293,8 +293,8 @@ def _wgrad_kernel(
                 a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
                 b = _load_b(b_desc, b_ptr, row, q0, Q, stride_b, BK, BQ, USE_TMA)
                 acc = _dot(a, b, acc, UPCAST, PRECISION)
-            _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, acc.to(out0_ptr.dtype.element_ty), expert, out,
-                          p0, q0, P_OUT, Q, stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
+            _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, common.to_dtype(acc, out0_ptr.dtype.element_ty),
+                          expert, out, p0, q0, P_OUT, Q, stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
     else:
         # All K steps of all this program's tiles in one pipelined loop, so the next tile's first loads are
         # in flight while the current tile finishes. An empty expert takes one step (on rows 0.., whatever
@@ -341,7 +341,7 @@ def _wgrad_kernel(
             acc = _dot(a, b, acc, UPCAST, PRECISION)
             kk += 1
             if kk == n_k:  # tile done: store it and start the next accumulator
-                c = tl.where(empty != 0, 0.0, acc).to(out0_ptr.dtype.element_ty)
+                c = common.to_dtype(tl.where(empty != 0, 0.0, acc), out0_ptr.dtype.element_ty)
                 _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, c, expert, out, p0, q0, P_OUT, Q,
                               stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
                 acc = tl.zeros([BP, BQ], dtype=tl.float32)
