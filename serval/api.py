@@ -41,7 +41,7 @@ from torch import Tensor
 
 from . import functional, precision
 from . import precision as _precision  # for `quantize_expert_weights`, whose argument is named precision
-from .config import Config, config_by_id, config_id
+from .config import DEFAULT_CONFIG, Config, config_by_id, config_id
 from .functional import ErrorFlags
 from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
 
@@ -428,7 +428,7 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     argument; expert ids out of range: see the module docstring (on CUDA, a NaN step and a
     ValueError in a later call, unless Config(debug=True)).
     """
-    config = Config() if config is None else config
+    config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, Config):
         raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
     ep_size = 1 if group is None else group.size()

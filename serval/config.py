@@ -141,3 +141,7 @@ def config_by_id(ident: int) -> Config:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# the Config of a call that passes none: made (so registered) at import, not inside a torch.compile'd call
+DEFAULT_CONFIG = Config()

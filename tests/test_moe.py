@@ -285,6 +285,26 @@ def test_torch_compile_before_any_eager_call(what):
     assert torch.equal(compiled, step(x))
 
 
+def test_torch_compile_without_a_config_in_a_fresh_process():
+    """serval.moe with no config, compiled as the process's first call of the layer (the default Config must be
+    in the table before the trace: the fake implementations read it)."""
+    import subprocess
+    import sys
+
+    script = """
+import torch, serval
+x = torch.randn(9, 16)
+rw = torch.rand(9, 2)
+ids = torch.rand(9, 4).argsort(1)[:, :2]
+w = [torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8)]
+step = lambda x: serval.moe(x, rw, ids, *w)
+assert torch.equal(torch.compile(step, fullgraph=True, backend="aot_eager")(x), step(x))
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
 def test_custom_ops_carry_the_whole_config(monkeypatch):
     """Every Config field reaches functional.forward/backward inside the custom ops, eager and compiled."""
     from serval import functional
