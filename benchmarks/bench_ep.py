@@ -13,7 +13,7 @@ Run with torchrun (nccl; --tiny: tiny shapes on the CPU with gloo, seconds):
   torchrun --nproc-per-node 8 benchmarks/bench_ep.py --tiny --device cuda   # smoke test on the GPUs, seconds
   torchrun --nproc-per-node 8 benchmarks/bench_ep.py --plot
   torchrun --nproc-per-node 2 benchmarks/bench_ep.py --tiny
-  python benchmarks/bench_ep.py --report-only --out benchmarks/results/h200x8_ep.json
+  python benchmarks/bench_ep.py --report-only --out benchmarks/results/h200x2_ep.json
 
 Inputs: docs/CONTRACT.md's multi-GPU shapes (benchmarks/shapes.py EP_SHAPES: real E, E_local = E/P on each
 rank, N = 4096 tokens per GPU). Each rank makes its own tokens, router weights, d_y, experts and copy of the
@@ -373,7 +373,8 @@ def main():
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present, cpu with --tiny)")
     parser.add_argument("--report-only", action="store_true", help="measure nothing (no torchrun): tables of --out")
     parser.add_argument("--variant", action="append", default=[],
-                        help="'name: module.path=value; ...': serval with these serval.kernels settings, too")
+                        help="'NAME: FIELD=VALUE; ...': serval with these KernelPlan / Config fields, too, as impl "
+                             "'serval (NAME)' (as bench_layer.py takes it)")
     args = parser.parse_args()
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 10)
     args.iters = args.iters if args.iters is not None else (5 if args.tiny else 50)

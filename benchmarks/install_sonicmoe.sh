@@ -1,5 +1,5 @@
 # Install SonicMoE 0.1.2.post1 and what it needs beyond the GPU image, from the wheels in .whl/
-# (no internet there). Run from the repo root, sourced so that PYTHONPATH is exported:
+# (no internet there; .whl/ is not in the repository: `pip download --no-deps` the versions below into it). Run from the repo root, sourced so that PYTHONPATH is exported:
 #
 #   source benchmarks/install_sonicmoe.sh [TARGET]      # TARGET defaults to /tmp/site
 #   python3 benchmarks/bench_layer.py --impls sonicmoe
@@ -25,6 +25,8 @@ if [ -d "$_sm_pkgs/cutlass" ]; then
     python3 -c "import cuda.bindings, cutlass, quack, sonicmoe; print('sonicmoe', sonicmoe.__version__, 'quack', quack.__version__, 'cutlass', cutlass.__version__, 'cuda.bindings', cuda.bindings.__version__)" ||
         echo "install_sonicmoe: import check FAILED" >&2
 else
-    echo "install_sonicmoe: $_sm_pkgs/cutlass missing" >&2
+    echo "install_sonicmoe: $_sm_pkgs/cutlass missing (are the wheels in .whl/? see the header)" >&2
+    unset _sm_target _sm_pkgs
+    return 1 2>/dev/null || exit 1  # sourced: the caller's && chain stops; run with bash: exit status 1
 fi
 unset _sm_target _sm_pkgs

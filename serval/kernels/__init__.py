@@ -7,7 +7,7 @@ One module per engine or job:
     gluon_cooperative.py  Gluon cooperative 128 x 256 GEMM (sm_90, Triton 3.6): gate/up, down, gate/up dgrad
     gluon_pingpong.py     Gluon ping-pong GEMM (sm_90, Triton 3.6): the down dgrad + SwiGLU backward
     gluon_common.py       the Gluon version gate, descriptors and helpers both Gluon engines use
-    in_gemm_pull.py       communication programs inside the gate/up GEMM (EP dispatch under the GEMM)
+    in_gemm_pull.py       communication programs inside the gate/up GEMM and the down dgrad (EP pulls under the GEMM)
     fused_pass.py         a pass's two routed GEMMs (and at EP its pull and push) in one persistent launch
     weight_grad.py        the grouped weight gradients over the token axis
     fp8_gemm.py           block-scaled FP8 grouped GEMM and weight gradient (Triton; Gluon on Hopper)
