@@ -28,10 +28,9 @@ the tile out. The router-weight gradient's row partials, one per 16 columns, are
 
 Determinism: one program writes each output element, the K loop has one order (BLOCK_K steps, wgmma),
 no atomics; d_gate_up, h_weighted and the router-weight gradient's partials equal the Triton GEMM's bit for
-bit. The mbarrier waits need no time
-bound: every arrival they wait for is made unconditionally by the same program (TMA completion, a
-sibling warp's progress), as in any software-pipelined GEMM; serval's bound applies to waits on other
-programs and GPUs.
+bit. The mbarrier waits need no time bound: every arrival they wait for is made unconditionally by the same
+program (TMA completion, a sibling warp's progress), as in any software-pipelined GEMM; serval's bound applies
+to waits on other programs and GPUs.
 """
 
 from __future__ import annotations
