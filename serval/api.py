@@ -302,9 +302,11 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
                   tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, kept_router_weights: Tensor,
                   gate_up_fp8: Tensor, gate_up_scale: Tensor, h_tokens: Tensor, h_tokens_scale: Tensor,
                   expert_weights: list[Tensor], swiglu_limit: Optional[float], config_id: int,
-                  workspace_id: int,
+                  workspace_id: int, weight_grads: bool, shared_weight_grads: bool,
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, and the shared expert's (empty if none)."""
+    """Returns d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, and the shared expert's (empty if none); a
+    weight gradient not asked for (weight_grads / shared_weight_grads False: no input needs it) is empty and
+    its GEMMs do not run."""
     config = config_by_id(config_id)
     recompute = config.recompute
     workspace = _workspace(workspace_id)
@@ -322,16 +324,19 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
                                     None if recompute or shared is None else shared_gate_up, swiglu_limit,
                                     kept_router_weights if workspace else None, kept)
     grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down, shared, config=config,
-                                workspace=workspace, expert_weights=_expert_weights(config, expert_weights))
-    shared_grads = grads.shared or tuple(x.new_empty(_EMPTY) for _ in range(3))
-    return (grads.x, grads.router_weights, grads.w_gate, grads.w_up, grads.w_down, *shared_grads)
+                                workspace=workspace, expert_weights=_expert_weights(config, expert_weights),
+                                weight_grads=weight_grads, shared_weight_grads=shared_weight_grads)
+    weights = (grads.w_gate, grads.w_up, grads.w_down, *(grads.shared or (None,) * 3))
+    return (grads.x, grads.router_weights, *(x.new_empty(_EMPTY) if g is None else g for g in weights))
 
 
 @_moe_backward.register_fake
 def _(d_y, x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *rest):
-    shared = [torch.empty_like(w) if w is not None else x.new_empty(_EMPTY) for w in (ws_gate, ws_up, ws_down)]
-    return (torch.empty_like(x), torch.empty_like(router_weights), torch.empty_like(w_gate),
-            torch.empty_like(w_up), torch.empty_like(w_down), *shared)
+    weight_grads, shared_weight_grads = rest[-2:]
+    routed = [torch.empty_like(w) if weight_grads else x.new_empty(_EMPTY) for w in (w_gate, w_up, w_down)]
+    shared = [torch.empty_like(w) if w is not None and shared_weight_grads else x.new_empty(_EMPTY)
+              for w in (ws_gate, ws_up, ws_down)]
+    return (torch.empty_like(x), torch.empty_like(router_weights), *routed, *shared)
 
 
 _FORWARD_TENSOR_INPUTS = 9  # x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
@@ -362,9 +367,14 @@ def _backward(ctx, d_y, *_unused_output_grads):  # the unused ones arrive as Non
     if d_y is None:  # y took no part in what is differentiated
         return (None,) * _FORWARD_TENSOR_INPUTS + ([None] * ctx.num_expert_weights,) + (None,) * len(ctx.options)
     saved = ctx.saved_tensors
-    grads = torch.ops.serval.moe_backward(d_y, *saved[:ctx.num_kept], list(saved[ctx.num_kept:]), *ctx.options)
+    # frozen weights (no input that needs a gradient): their weight-gradient GEMMs are skipped
+    weight_grads, shared_weight_grads = any(ctx.needs_input_grad[3:6]), any(ctx.needs_input_grad[6:9])
+    grads = torch.ops.serval.moe_backward(d_y, *saved[:ctx.num_kept], list(saved[ctx.num_kept:]), *ctx.options,
+                                          weight_grads, shared_weight_grads)
     d_x, d_rw, d_w_gate, d_w_up, d_w_down, *shared_grads = grads
-    if not ctx.has_shared:
+    if not weight_grads:
+        d_w_gate = d_w_up = d_w_down = None
+    if not (ctx.has_shared and shared_weight_grads):
         shared_grads = [None, None, None]
     # the expert weights in their GEMMs' form are a function of w_gate, w_up, w_down: no gradient of their own
     return ((d_x, d_rw, None, d_w_gate, d_w_up, d_w_down, *shared_grads, [None] * ctx.num_expert_weights)

@@ -311,12 +311,14 @@ class ForwardContext:
 
 
 class Grads(NamedTuple):
+    """The layer's gradients; a weight gradient is None where `backward` was told not to make it."""
+
     x: torch.Tensor
     router_weights: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    w_gate: torch.Tensor | None
+    w_up: torch.Tensor | None
+    w_down: torch.Tensor | None
+    shared: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None
 
 
 def _shared_weights(shared):
@@ -500,8 +502,10 @@ def _fused_dgrads(ops, d_y, row_router_weights, schedule: Schedule, gate_up, w_g
 
 
 def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, gate_up, w_gate, w_up, w_down,
-                     swiglu_limit, workspace, shared_d_x=None):
-    """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down).
+                     swiglu_limit, workspace, shared_d_x=None, weight_grads=True):
+    """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down); the weight gradients
+    None without `weight_grads` (their GEMMs do not run; at EP the pull of x's rows still does, so that every
+    rank makes the same transport calls whatever its weights require).
 
     Ordered so that each [R, *] buffer dies as soon as its last use is done (d_y rows and rw * h
     after the down weight gradient, d_x rows after their slot sum; at EP with the kernels they are
@@ -521,7 +525,7 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
         d_y_rows = _rows_in(ops, d_y, schedule, transport)
         d_gate_up, h_weighted, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights,
                                                                  schedule, swiglu_limit)
-    d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule)
+    d_w_down = ops.down_weight_grad(d_y_rows, h_weighted, schedule) if weight_grads else None
     del d_y_rows, h_weighted
     if d_x_rows is None:
         d_x_rows = _gemm_out(ops, lambda **push: ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule, **push),
@@ -529,15 +533,21 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
     d_x = ops.sum_slots(*d_x_rows, shared_d_x)
     del d_x_rows
     d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
-    x_rows = _rows_in(ops, x, schedule, transport)
-    d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
+    d_w_gate = d_w_up = None
+    if weight_grads or transport is not None:
+        x_rows = _rows_in(ops, x, schedule, transport)
+    if weight_grads:
+        d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
     return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down
 
 
 def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, shared=None, *,
              config: Config | None = None, workspace: Workspace | None = None,
-             expert_weights: precision.ExpertWeights | None = None) -> Grads:
-    """Gradients of the layer for output gradient d_y [N, H]; see `Grads` (expert_weights: as in `forward`)."""
+             expert_weights: precision.ExpertWeights | None = None, weight_grads: bool = True,
+             shared_weight_grads: bool = True) -> Grads:
+    """Gradients of the layer for output gradient d_y [N, H]; see `Grads` (expert_weights: as in `forward`).
+    weight_grads / shared_weight_grads False: the routed / shared experts' weight gradients are None and their
+    GEMMs do not run (frozen experts)."""
     config = config or Config()
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
@@ -549,8 +559,8 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
         ones = torch.ones(x.shape[0], 1, device=x.device, dtype=router_weights.dtype)
         shared_d_x, _, *shared_grads = _expert_backward(
             ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared),
-            ctx.swiglu_limit, None)
-        shared_grads = tuple(g[0] for g in shared_grads)
+            ctx.swiglu_limit, None, weight_grads=shared_weight_grads)
+        shared_grads = tuple(None if g is None else g[0] for g in shared_grads)
     row_router_weights = router_weights if transport is None else ctx.all_router_weights
     recipe = precision.recipe_of(config.precision)
     if (recipe is None) != (ctx.kept is None):
@@ -560,7 +570,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     if recipe is None:
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(
             ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
-            ctx.swiglu_limit, workspace, shared_d_x)
+            ctx.swiglu_limit, workspace, shared_d_x, weight_grads)
     else:
         if config.debug:
             precision.check_finite("d_y", d_y)
@@ -569,7 +579,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
                                                                    transport.pull(x, schedule.row_source))
         d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = precision.backward(
             ops, recipe, d_y, d_y_rows, x, x_rows, ctx.kept, row_router_weights, w_gate, w_up, w_down, schedule,
-            ctx.swiglu_limit, expert_weights)
+            ctx.swiglu_limit, expert_weights, weight_grads)
         d_x = ops.sum_slots(*_rows_out(d_x_rows, schedule, transport), shared_d_x)
         del d_x_rows
         d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)

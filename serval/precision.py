@@ -287,11 +287,12 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
 
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
-             schedule: Schedule, swiglu_limit, made: ExpertWeights | None = None):
+             schedule: Schedule, swiglu_limit, made: ExpertWeights | None = None, weight_grads: bool = True):
     """Gradients of the routed experts from d_y and x [N, H] (bf16), their rows [R, H] pulled at EP (None at
     EP=1: the quantization passes read the tokens' rows through the schedule, no bf16 rows are made) and the
     group's router weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up,
-    d_w_down). made: as in `forward`."""
+    d_w_down). made: as in `forward`. weight_grads False: the weight gradients are None (none of their
+    quantizations or GEMMs run)."""
     dtype = x.dtype
     at_ep1 = d_y_rows is None
     row_rw = stages.row_weights(router_weights, schedule).float()  # [R], 0 on padding rows
@@ -321,6 +322,8 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
         d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, gate_t, up_t, schedule)
     del d_gate_up_q, d_gate_up_deq
+    if not weight_grads:
+        return d_x_rows, d_rw_rows, None, None, None
     # weight gradients: operands along tokens
     d_y_tokens, d_y_tokens_deq = rows_quantized(d_y, d_y_rows,
                                                 lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))

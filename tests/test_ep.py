@@ -39,7 +39,7 @@ def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
 
 
 def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, device, num_tokens, pull_programs,
-           precision="bf16", inter=I, fused=(), quantize_weights_once=False):
+           precision="bf16", inter=I, fused=(), quantize_weights_once=False, frozen=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
@@ -91,6 +91,13 @@ def worker(rank, world_size, init_file, kind, backend, capacity_multiplier, devi
         full = layer_grads(x, rw, ids, weights, shared, d_y,
                            config=serval.Config(block_m=block_m, backend=backend, precision=precision))
         y, d_x, d_rw, d_wg, d_wu, d_wd, *d_shared = ep
+        if frozen:  # frozen experts: no weight gradient asked for (their GEMMs skipped), d_x and d_rw unchanged
+            x_leaf, rw_leaf = (t.detach().clone().requires_grad_() for t in local[:2])
+            y_frozen = serval.moe(x_leaf, rw_leaf, local[2], *local[3], local[4], swiglu_limit=SWIGLU_LIMIT,
+                                  group=group, config=config)
+            assert torch.equal(y_frozen, y)
+            d_x_frozen, d_rw_frozen = torch.autograd.grad(y_frozen, (x_leaf, rw_leaf), local[5])
+            assert torch.equal(d_x_frozen, d_x) and torch.equal(d_rw_frozen, d_rw), "frozen experts"
         assert torch.equal(y, full[0][tokens]), "y differs from EP=1"
         assert torch.equal(d_x, full[1][tokens]), "d_x differs from EP=1"
         assert torch.equal(d_rw, full[2][tokens]), "d_router_weights differs from EP=1"
@@ -264,11 +271,11 @@ def test_ep_rank_that_stops_on_one_gpu(tmp_path, monkeypatch):
 
 
 def run(world_size, tmp_path, kind="random", backend="torch", capacity_multiplier=2.0, device="cpu", num_tokens=N,
-        pull_programs=0, precision="bf16", inter=I, fused=(), quantize_weights_once=False):
+        pull_programs=0, precision="bf16", inter=I, fused=(), quantize_weights_once=False, frozen=False):
     """pull_programs: Config.comm_sms_forward and comm_sms_backward in the ranks (the gate/up GEMM and the down
     dgrad pulling their own rows). fused: KernelPlan flags set ("fused_forward", "fused_backward")."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, capacity_multiplier, device, num_tokens,
-                           pull_programs, precision, inter, fused, quantize_weights_once), nprocs=world_size,
+                           pull_programs, precision, inter, fused, quantize_weights_once, frozen), nprocs=world_size,
              join=True)
 
 
@@ -308,6 +315,12 @@ def test_cpu_transport_push_options(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_ep_bitwise_equals_ep1(world_size, tmp_path):
     run(world_size, tmp_path)
+
+
+def test_ep_frozen_experts(tmp_path):
+    """Experts that need no gradient at EP=2: their weight-gradient GEMMs are skipped on every rank (the
+    transport calls are not); y, d_x and d_router_weights unchanged."""
+    run(2, tmp_path, frozen=True)
 
 
 @pytest.mark.parametrize("precision,inter", [("mxfp8", I), ("fp8_blockwise", 128)])

@@ -340,3 +340,35 @@ def test_no_host_sync_and_cuda_graph():
     step = cuda_layer_step()
     eager = step()  # warm-up: kernels compiled, allocator primed
     check_sync_free_and_graph_replay(step, eager)
+
+
+@pytest.mark.parametrize("backend, precision", [("torch", "bf16"), ("triton", "bf16"), ("torch", "mxfp8"),
+                                                ("torch", "fp8_blockwise")])
+def test_frozen_weights_skip_their_gradients(backend, precision):
+    """Weights that need no gradient (frozen experts, a frozen shared expert) get none, their weight-gradient
+    GEMMs do not run, and every other gradient keeps its bits; also through torch.compile (the fake
+    implementation's shapes)."""
+    dtype = torch.float32 if precision == "bf16" and backend == "torch" else torch.bfloat16
+    x, weights, shared = make_layer(24, 32, 128, 4, shared_inter=16, dtype=dtype)
+    rw, ids = make_routing(24, 4, 2)
+    config = serval.Config(backend=backend, precision=precision, block_m=16 if precision == "bf16" else 128)
+
+    def grads(routed_frozen, shared_frozen, compiled=False):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, rw)]
+        w = [t.detach().clone().requires_grad_(not routed_frozen) for t in weights]
+        s = [t.detach().clone().requires_grad_(not shared_frozen) for t in shared]
+        step = lambda x, rw: serval.moe(x, rw, ids, *w, tuple(s), config=config)  # noqa: E731
+        if compiled:
+            step = torch.compile(step, fullgraph=True, backend="aot_eager")
+        step(*leaves).float().square().sum().backward()
+        return [t.grad for t in (*leaves, *w, *s)]
+
+    full = grads(False, False)
+    for routed_frozen, shared_frozen in [(True, False), (False, True), (True, True)]:
+        got = grads(routed_frozen, shared_frozen)
+        for i, (g, f) in enumerate(zip(got, full)):
+            frozen = (2 <= i < 5 and routed_frozen) or (i >= 5 and shared_frozen)
+            assert (g is None) if frozen else torch.equal(g, f), (routed_frozen, shared_frozen, i)
+    if backend == "torch" and precision == "bf16":
+        got = grads(True, False, compiled=True)
+        assert got[2:5] == [None] * 3 and torch.equal(got[0], full[0]) and torch.equal(got[5], full[5])
