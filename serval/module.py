@@ -9,6 +9,7 @@ top-k are broken by torch.topk, which is deterministic for a given device.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,6 +19,19 @@ from torch import nn
 from . import precision
 from .api import FLOAT_DTYPES, check_swiglu_limit, moe, quantize_expert_weights
 from .config import Config
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether torch.autocast is on for this device type (False where autocast does not exist, e.g. meta)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
+def _without_autocast(device_type: str):
+    """A context with autocast off on this device type (nothing to turn off where autocast does not exist)."""
+    return torch.autocast(device_type, enabled=False) if _autocast_enabled(device_type) else contextlib.nullcontext()
 
 
 class MoE(nn.Module):
@@ -89,7 +103,7 @@ class MoE(nn.Module):
         """(router_weights [N, k], topk_ids [N, k]) for tokens x [N, H]; the weights are fp32 (fp64 when x is
         fp64), as `serval.moe` takes them."""
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        with torch.autocast(x.device.type, enabled=False):  # autocast would run the router in bf16 / fp16
+        with _without_autocast(x.device.type):  # autocast would run the router in bf16 / fp16
             logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
             scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()
         weights, ids = scores.topk(self.top_k, dim=-1)
@@ -120,7 +134,7 @@ class MoE(nn.Module):
                 w[:0].sum() for w in [x, self.router.weight, *weights])
         router_weights, topk_ids = self.route(tokens)
         weights = [w.to(compute_dtype) for w in weights]
-        with torch.autocast(x.device.type, enabled=False):
+        with _without_autocast(x.device.type):
             y = moe(tokens.to(compute_dtype), router_weights, topk_ids, *weights[:3],
                     tuple(weights[3:]) if self.shared is not None else None, group=self.group, config=self.config,
                     swiglu_limit=self.swiglu_limit, expert_weights=expert_weights)
@@ -140,7 +154,7 @@ class MoE(nn.Module):
                             f"{[str(d) for d in FLOAT_DTYPES]}: convert the module (e.g. .bfloat16())")
         if x.device != weight.device:
             raise ValueError(f"x must be on the device of the module's parameters ({weight.device}), got {x.device}")
-        if torch.is_autocast_enabled(x.device.type):
+        if _autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             if dtype not in FLOAT_DTYPES:
                 raise TypeError(f"serval.MoE under torch.autocast(dtype={dtype}): serval computes in "

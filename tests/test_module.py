@@ -79,6 +79,13 @@ def test_module_empty_batch_and_fp16():
         block(torch.randn(3, 16).half())
 
 
+def test_module_on_the_meta_device():
+    """Shapes without data (a device with no autocast): y's shape and dtype."""
+    block = serval.MoE(16, 8, 4, 2, shared_intermediate_size=6, device="meta")
+    y = block(torch.randn(3, 5, 16, device="meta"))
+    assert y.shape == (3, 5, 16) and y.device.type == "meta" and y.dtype == torch.float32
+
+
 def test_demo_is_bitwise_repeatable(capsys):
     from serval.__main__ import main
 
