@@ -286,7 +286,7 @@ def select_backend(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared
 
     dims = (x.shape[1], w_gate.shape[1]) + (() if shared is None else (shared[0].shape[0],))
     if config.backend == "triton":
-        kernels.check_supported(x.device, dims, config.precision)
+        kernels.check_supported(x.device, dims, config.precision, x.dtype)
     elif not (x.is_cuda and x.dtype == torch.bfloat16 and kernels.supports(dims, config.precision)):
         return stages
     plan = config.kernel_plan or kernels.plan_for(x)

@@ -111,6 +111,11 @@ def test_strided_inputs_and_narrow_ids_are_taken():
                            call(inputs, config=config)), dtype
 
 
+def test_triton_backend_names_an_unsupported_dtype():
+    with pytest.raises(ValueError, match=r"Config\(backend='triton'\) runs bf16 or fp32 tensors, got float64"):
+        call(layer_inputs(dtype=torch.float64), config=serval.Config(backend="triton", block_m=16))
+
+
 def test_double_backward_is_a_clear_error():
     inputs = layer_inputs()
     x = inputs["x"].detach().requires_grad_()

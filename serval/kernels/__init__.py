@@ -127,7 +127,11 @@ def supports(feature_dims, precision: str = "bf16") -> bool:
     return INTERPRET or all(d % 8 == 0 for d in feature_dims)
 
 
-def check_supported(device, feature_dims, precision: str = "bf16") -> None:
+def check_supported(device, feature_dims, precision: str = "bf16", dtype: torch.dtype | None = None) -> None:
+    """ValueError unless Config(backend='triton') can run here: the device, the feature sizes, the dtype."""
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"serval.kernels: Config(backend='triton') runs bf16 or fp32 tensors, got "
+                         f"{str(dtype).replace('torch.', '')}; use Config(backend='auto') or 'torch' for it")
     if device.type != "cuda" and not INTERPRET:
         raise ValueError(f"serval.kernels: Config(backend='triton') needs CUDA tensors (or TRITON_INTERPRET=1), "
                          f"got tensors on {device}")
