@@ -156,12 +156,14 @@ def _check_same_problem(group, problem: tuple, device: torch.device, timeout_s: 
     One all-gather of a small int64 tensor (gloo or NCCL; a host sync, once per workspace), so
     that ranks that disagree fail together with a clear error instead of mismatching the
     collectives that follow (which aborts gloo processes and hangs NCCL ones). On a gloo group a
-    monitored barrier bounded by `timeout_s` (Config.peer_timeout_s) comes first: a rank that never
+    barrier bounded by `timeout_s` (Config.peer_timeout_s) on every rank comes first: a rank that never
     gets here (its own inputs failed a check) is a RuntimeError on the others, not a wait as long as
     the process group's timeout."""
     if dist.get_backend(group) == "gloo":
+        from .transport.cpu import bounded_barrier
+
         try:
-            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+            bounded_barrier(group, datetime.timedelta(seconds=timeout_s))
         except RuntimeError as error:
             raise RuntimeError(
                 f"serval.moe: rank {dist.get_rank(group)} of the EP group waited {timeout_s:g} s "

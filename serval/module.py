@@ -122,14 +122,17 @@ class MoE(nn.Module):
         step's `quantize_expert_weights()` (FP8 precisions; None: quantized in the call).
 
         Under torch.autocast (bf16) the experts run in bf16 on bf16 copies of the weights (x of any float dtype
-        is cast), as autocast runs nn.Linear; the router stays in fp32. An empty batch gives an empty y."""
+        is cast), as autocast runs nn.Linear; the router stays in fp32. An empty batch gives an empty y (without
+        an EP group; at EP every rank must pass the same number of tokens, at least one)."""
         compute_dtype = self._check_input(x)
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
         weights = [self.w_gate, self.w_up, self.w_down]
         if self.shared is not None:
             weights += [self.shared["gate"].weight, self.shared["up"].weight, self.shared["down"].weight]
-        if tokens.shape[0] == 0:  # nothing to route; zero gradients reach every parameter and x
+        if tokens.shape[0] == 0 and (self.group is None or self.group.size() == 1):  # zero gradients to every parameter
+            # (at EP a rank cannot know that the others are empty too: serval.moe raises on it, and the others
+            # get their bounded peer timeout)
             return tokens.new_zeros(shape, dtype=compute_dtype) + sum(
                 w[:0].sum() for w in [x, self.router.weight, *weights])
         router_weights, topk_ids = self.route(tokens)

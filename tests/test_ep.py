@@ -177,11 +177,13 @@ def misuse_worker(rank, world_size, init_file, scenario):
         dist.destroy_process_group()
 
 
-def stop_early_worker(rank, world_size, init_file, device, result_file):
-    """Every rank runs a step; then the last rank stops (it never enters the second step) and the others must
-    get an error within Config.peer_timeout_s, not hang. The outcome goes to result_file (rank 0) for the test
-    to check; the processes leave with os._exit, since a rank that timed out cannot tear the group down
-    cleanly (and on CUDA its context is lost)."""
+def stop_early_worker(rank, world_size, init_file, device, result_file, stopping_rank=None):
+    """Every rank runs a step; then `stopping_rank` (default the last) stops (it never enters the second step)
+    and the others must get an error within Config.peer_timeout_s, not hang. The outcome goes to result_file
+    (written by the lowest rank still running) for the test to check; the processes leave with os._exit, since a
+    rank that timed out cannot tear the group down cleanly (and on CUDA its context is lost)."""
+    stopping_rank = world_size - 1 if stopping_rank is None else stopping_rank
+    reporter = 1 if stopping_rank == 0 else 0
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=2))
     done = result_file + ".done"
@@ -198,7 +200,7 @@ def stop_early_worker(rank, world_size, init_file, device, result_file):
     layer_grads(*local, group=dist.group.WORLD, config=config)
     if device == "cuda":
         torch.cuda.synchronize()
-    if rank == world_size - 1:  # stops here: waits (bounded) until rank 0 has its outcome, then leaves
+    if rank == stopping_rank:  # stops here: waits (bounded) until the reporter has its outcome, then leaves
         deadline = time.monotonic() + 120
         while not os.path.exists(done) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -211,17 +213,17 @@ def stop_early_worker(rank, world_size, init_file, device, result_file):
         outcome = "no error"
     except RuntimeError as error:
         outcome = str(error)
-    if rank == 0:
+    if rank == reporter:
         with open(result_file, "w") as f:
             json.dump({"outcome": outcome, "elapsed_s": time.monotonic() - start}, f)
         open(done, "w").close()
     os._exit(0)
 
 
-def stopped_rank_outcome(world_size, tmp_path, device):
+def stopped_rank_outcome(world_size, tmp_path, device, stopping_rank=None):
     result = tmp_path / "outcome.json"
-    mp.spawn(stop_early_worker, args=(world_size, str(tmp_path / "init"), device, str(result)), nprocs=world_size,
-             join=True)
+    mp.spawn(stop_early_worker, args=(world_size, str(tmp_path / "init"), device, str(result), stopping_rank),
+             nprocs=world_size, join=True)
     return json.loads(result.read_text())
 
 
@@ -250,12 +252,14 @@ def test_torch_stage_gemms_do_not_depend_on_where_the_rows_sit(dtype):
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
-def test_ep_rank_that_stops_is_an_error_not_a_hang(tmp_path):
-    """The CPU transport's barriers are gloo monitored barriers bounded by Config.peer_timeout_s: the ranks
-    still running get a RuntimeError that names the wait and the missing rank."""
-    outcome = stopped_rank_outcome(2, tmp_path, "cpu")
+@pytest.mark.parametrize("stopping_rank", [1, 0])
+def test_ep_rank_that_stops_is_an_error_not_a_hang(stopping_rank, tmp_path):
+    """The CPU transport's barriers are bounded by Config.peer_timeout_s on every rank (rank 0 stopping too, which
+    gloo's monitored barrier did not bound on the others): the ranks still running get a RuntimeError that names
+    the wait and the missing rank."""
+    outcome = stopped_rank_outcome(2, tmp_path, "cpu", stopping_rank)
     assert "waited 2 s (Config.peer_timeout_s)" in outcome["outcome"], outcome
-    assert "Ranks 1 failed to pass" in outcome["outcome"], outcome  # gloo names the rank that stopped
+    assert f"ranks that did not arrive: [{stopping_rank}]" in outcome["outcome"], outcome
     assert outcome["elapsed_s"] < 30, outcome
 
 

@@ -31,9 +31,16 @@ def _job_id(group, rank: int) -> str:
     return bytes(job.tolist()).hex()
 
 
+def bounded_barrier(group, timeout: datetime.timedelta) -> None:
+    """A barrier of `group` whose wait is bounded by `timeout` on every rank (RuntimeError past it). gloo's
+    monitored_barrier bounds only rank 0's wait: the other ranks wait on rank 0 for the process group's
+    timeout (30 minutes by default)."""
+    dist.barrier(group=group, async_op=True).wait(timeout=timeout)
+
+
 class SharedMemoryTransport:
-    """timeout_s bounds every barrier wait: on a gloo group a monitored barrier, whose timeout names the ranks
-    that did not arrive (re-raised as a RuntimeError that says what serval was waiting for)."""
+    """timeout_s bounds every barrier wait, on every rank (`bounded_barrier`); past it a RuntimeError names the
+    ranks that did not arrive, read from a per-rank arrival counter in shared memory."""
 
     def __init__(self, group, num_tokens: int, top_k: int, *, timeout_s: float = 300.0):
         self.group = group
@@ -43,18 +50,23 @@ class SharedMemoryTransport:
         self.num_tokens, self.top_k = num_tokens, top_k
         self.job = _job_id(group, self.rank)
         self.buffers: dict[tuple, list[torch.Tensor]] = {}
+        self.barriers = 0  # barriers this rank has entered; a rank's counter is in its arrival slot
+        self.arrivals = None  # [P] views of every rank's int64 arrival counter (set up by the next line)
+        self.arrivals = [buffer[0] for buffer in self._peer_buffers("arrivals", 1, 1, torch.int64)]
 
     def _barrier(self):
-        if dist.get_backend(self.group) != "gloo":  # monitored_barrier is gloo's
-            dist.barrier(group=self.group)
-            return
+        self.barriers += 1
+        if self.arrivals is not None:
+            self.arrivals[self.rank][0] = self.barriers
         try:
-            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+            bounded_barrier(self.group, self.timeout)
         except RuntimeError as error:
+            behind = "" if self.arrivals is None else " (ranks that did not arrive: {})".format(
+                [r for r in range(self.world_size) if int(self.arrivals[r][0]) < self.barriers])
             raise RuntimeError(
                 f"serval.moe: rank {self.rank} of the EP group waited {self.timeout.total_seconds():g} s "
-                f"(Config.peer_timeout_s) for the other ranks at a transport barrier; a rank stopped or skipped "
-                f"this layer call ({error})") from error
+                f"(Config.peer_timeout_s) for the other ranks at a transport barrier{behind}; a rank stopped or "
+                f"skipped this layer call ({error})") from error
 
     def _peer_buffers(self, role: str, rows: int, width: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """[rows, width] buffer of every rank (index = rank), created collectively on first use."""
