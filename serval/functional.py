@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from . import precision, stages
+from . import schedule as schedule_module
 from .config import Config
-from .schedule import (Schedule, build_schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
+from .schedule import (Schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
                        slot_schedule)
 
 __all__ = [
@@ -254,7 +255,7 @@ def gather_routing(topk_ids: torch.Tensor, router_weights: torch.Tensor, workspa
 def ep_schedule(all_ids: torch.Tensor, workspace: Workspace):
     """This rank's schedule from the group's expert ids [P*N, k] (in [0, E)): (schedule, overflow)
     (see `build_ep_schedule`)."""
-    group_schedule = build_schedule(all_ids, workspace.num_experts, workspace.block_m)
+    group_schedule = schedule_module.build_schedule(all_ids, workspace.num_experts, workspace.block_m)
     return local_schedule(group_schedule, workspace.rank, workspace.experts_per_rank, workspace.capacity_rows)
 
 
@@ -268,6 +269,37 @@ def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, work
     all_ids, all_router_weights = gather_routing(topk_ids, router_weights, workspace)
     schedule, overflow = ep_schedule(all_ids, workspace)
     return schedule, all_router_weights, overflow
+
+
+def build_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
+    """The routing schedule of `topk_ids` [N, k] (global expert ids of an integer dtype, each in [0, num_experts))
+    with rows padded per expert to block_m (`serval.schedule.build_schedule`), its arguments checked first; the
+    ids' range on CPU only (a value check on CUDA would sync the host: there the caller keeps them in range)."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be a 2-D tensor [N, k], got "
+                         f"{tuple(topk_ids.shape) if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__}")
+    if topk_ids.dtype == torch.bool or topk_ids.is_floating_point() or topk_ids.is_complex():
+        raise TypeError(f"topk_ids must hold integer expert ids, got {str(topk_ids.dtype).replace('torch.', '')}")
+    for name, value in (("num_experts", num_experts), ("block_m", block_m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if topk_ids.device.type == "cpu" and topk_ids.numel() and not bool(
+            ((topk_ids >= 0) & (topk_ids < num_experts)).all()):
+        raise ValueError(f"topk_ids must hold expert ids in [0, {num_experts}) (num_experts), got values from "
+                         f"{int(topk_ids.min())} to {int(topk_ids.max())}")
+    return schedule_module.build_schedule(topk_ids, num_experts, block_m)
+
+
+def _check_schedule(schedule: Schedule, x, router_weights, w_gate, workspace) -> None:
+    """ValueError unless `schedule` was built for these inputs (at EP=1: N, k and E; at EP: k)."""
+    want = (("top_k", schedule.top_k, router_weights.shape[1], "router_weights.shape[1]"),)
+    if workspace is None:
+        want += (("num_tokens", schedule.num_tokens, x.shape[0], "x.shape[0]"),
+                 ("num_experts", schedule.num_experts, w_gate.shape[0], "w_gate.shape[0]"))
+    for name, have, expected, source in want:
+        if have != expected:
+            raise ValueError(f"schedule was built for {name} = {have}, but {source} = {expected}: build it from these "
+                             f"inputs' topk_ids")
 
 
 # ---------------------------------------------------------------- passes
@@ -414,6 +446,7 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     expert_weights: in an FP8 precision, the weights already in its GEMMs' form (`precision.expert_weights`).
     """
     config = config or Config()
+    _check_schedule(schedule, x, router_weights, w_gate, workspace)
     recipe = precision.recipe_of(config.precision)
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
@@ -458,8 +491,9 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
                               config: Config | None = None, workspace: Workspace | None = None,
                               expert_weights: precision.ExpertWeights | None = None) -> ForwardContext:
-    """Fill in what a `Config(recompute=True)` forward did not keep."""
+    """Fill in what a `Config(recompute=True)` forward did not keep (from the forward's x and weights)."""
     config = config or Config()
+    _check_shared(ctx, shared)
     recipe = precision.recipe_of(config.precision)
     if ctx.gate_up is not None or ctx.kept is not None:
         return ctx
@@ -474,6 +508,13 @@ def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None,
                                 expert_weights)
     shared_gate_up, _ = _shared_gate_up(ops, x, shared, ctx.shared_schedule, ctx.swiglu_limit)
     return dataclasses.replace(ctx, kept=kept, shared_gate_up=shared_gate_up)
+
+
+def _check_shared(ctx: ForwardContext, shared) -> None:
+    """ValueError unless the shared expert is passed exactly when the forward had one."""
+    if (ctx.shared_schedule is None) != (shared is None):
+        had = "had none" if ctx.shared_schedule is None else "had one"
+        raise ValueError(f"shared: the forward {had}; pass the shared expert's weights exactly as to the forward")
 
 
 def _fused_dgrads(ops, d_y, row_router_weights, schedule: Schedule, gate_up, w_gate, w_up, w_down, swiglu_limit,
@@ -551,6 +592,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     weight_grads / shared_weight_grads False: the routed / shared experts' weight gradients are None and their
     GEMMs do not run (frozen experts)."""
     config = config or Config()
+    _check_shared(ctx, shared)
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
     ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace,

@@ -116,6 +116,33 @@ def test_triton_backend_names_an_unsupported_dtype():
         call(layer_inputs(dtype=torch.float64), config=serval.Config(backend="triton", block_m=16))
 
 
+def test_lower_layer_checks_its_schedule():
+    """serval.functional: build_schedule's arguments (ids out of range on CPU, bool ids, block_m), a schedule built
+    for other inputs, and a shared expert passed to backward but not to forward (or the reverse)."""
+    inputs = layer_inputs()
+    x, rw, ids, wg, wu, wd, shared = inputs.values()
+    for bad, error, pattern in ((ids - 1, ValueError, r"in \[0, 4\)"), (ids + E, ValueError, r"in \[0, 4\)"),
+                                (ids > 0, TypeError, "integer expert ids"), (ids[0], ValueError, "2-D")):
+        with pytest.raises(error, match=pattern):
+            functional.build_schedule(bad, E, block_m=16)
+    for block_m in (0, True, 2.0):
+        with pytest.raises(ValueError, match="block_m must be a positive int"):
+            functional.build_schedule(ids, E, block_m=block_m)
+    config = serval.Config(block_m=16)
+    for schedule, pattern in ((functional.build_schedule(ids[:, :1], E, 16), "top_k = 1"),
+                              (functional.build_schedule(ids[:-1], E, 16), "num_tokens"),
+                              (functional.build_schedule(ids, E + 1, 16), "num_experts")):
+        with pytest.raises(ValueError, match=f"schedule was built for {pattern}"):
+            functional.forward(x, rw, schedule, wg, wu, wd, shared, config=config)
+    schedule = functional.build_schedule(ids, E, 16)
+    y, ctx = functional.forward(x, rw, schedule, wg, wu, wd, shared, config=config)
+    with pytest.raises(ValueError, match="shared: the forward had one"):
+        functional.backward(torch.ones_like(y), ctx, x, rw, wg, wu, wd, None, config=config)
+    y, ctx = functional.forward(x, rw, schedule, wg, wu, wd, None, config=config)
+    with pytest.raises(ValueError, match="shared: the forward had none"):
+        functional.backward(torch.ones_like(y), ctx, x, rw, wg, wu, wd, shared, config=config)
+
+
 def test_double_backward_is_a_clear_error():
     inputs = layer_inputs()
     x = inputs["x"].detach().requires_grad_()
