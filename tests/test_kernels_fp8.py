@@ -73,8 +73,8 @@ def reference_wgrad(a_data, a_scale, b_data, b_scale, schedule):
 
 
 def assert_close(got, ref, size, what):
-    """A bf16 result of an fp32-accumulated sum: within one bf16 unit of the exact value (the interpreter's
-    bf16 conversion truncates; the GPU's rounds), plus 2^-12 of the sum of |products| for the fp32
+    """A bf16 result of an fp32-accumulated sum: within one bf16 unit of the exact value (one rounding, to
+    nearest in the interpreter too: `common.to_dtype`), plus 2^-12 of the sum of |products| for the fp32
     accumulation and the fp8 MMA's limited internal accumulator precision."""
     assert not got.isnan().any(), f"{what}: NaN (unwritten) elements"
     err = (got.double() - ref).abs()

@@ -6,9 +6,9 @@ real sizes run too. Every kernel output is NaN-poisoned before the kernel runs
 (SERVAL_POISON_OUTPUTS=1), so an element a kernel forgets to write shows as NaN; every
 kernel runs twice and must give bitwise-identical results.
 
-Tolerances: the interpreter's `.to(bfloat16)` truncates instead of rounding (up to one
-bf16 ulp per rounding), so elementwise checks allow a few ulps plus a small absolute
-term for cancellation; an indexing or masking bug gives O(1) errors, far outside them.
+Tolerances: bf16 roundings (to nearest, in the interpreter too: `common.to_dtype`) and
+fp32 sums in another order than the torch stages', so elementwise checks allow a few ulps
+plus a small absolute term for cancellation; an indexing or masking bug gives O(1) errors, far outside them.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def _check_close(out, ref, dtype):
     assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN output"
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
-    else:  # bf16: one rounding of the output (the interpreter truncates), sums in a different order
+    else:  # bf16: one rounding of the output, sums in a different order
         rel = ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
         assert rel < 1e-2, rel
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
