@@ -251,6 +251,8 @@ def mxfp8_quantize(t: torch.Tensor, rowwise: bool = True, colwise: bool = False)
         raise ValueError("mxfp8_quantize: ask for rowwise=True, colwise=True or both")
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise ValueError(f"mxfp8_quantize: t must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"mxfp8_quantize: t must be bf16, fp16 or fp32, got {str(t.dtype).replace('torch.', '')}")
     row = quantize(t, block=(1, 32))[0] if rowwise else None
     col = quantize(t, block=(32, 1))[0] if colwise else None
     return row, col

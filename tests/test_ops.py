@@ -488,6 +488,8 @@ def test_mxfp8_quantize_of_the_contract():
     assert mxfp8_quantize(t)[1] is None
     with pytest.raises(ValueError, match="rowwise"):
         mxfp8_quantize(t, rowwise=False)
+    with pytest.raises(TypeError, match="mxfp8_quantize: t must be bf16, fp16 or fp32, got float64"):
+        mxfp8_quantize(t.double())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
