@@ -592,10 +592,9 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     weight_grads / shared_weight_grads False: the routed / shared experts' weight gradients are None and their
     GEMMs do not run (frozen experts)."""
     config = config or Config()
-    _check_shared(ctx, shared)
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
-    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
+    ctx = recompute_forward_context(  # checks the shared expert is passed as to the forwardctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
                                     expert_weights=expert_weights)
     d_y = d_y.contiguous()
     shared_d_x = shared_grads = None
