@@ -594,7 +594,8 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     config = config or Config()
     ops = select_backend(config, x, w_gate, shared)
     transport = _transport(workspace)
-    ctx = recompute_forward_context(  # checks the shared expert is passed as to the forwardctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
+    # recompute_forward_context checks the shared expert is passed as to the forward
+    ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
                                     expert_weights=expert_weights)
     d_y = d_y.contiguous()
     shared_d_x = shared_grads = None
