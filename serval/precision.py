@@ -27,6 +27,10 @@ multiple of the block, so no block spans two experts; padding rows are zero. The
 rows unscaled and applies the router weight r in its epilogue, as BF16 does, so that d_router_weights is
 <d_y W_down, h> with no division by r; the w_down gradient takes r * d_y, as MoK's does.
 
+The fp8_blockwise SwiGLU row passes (`ops.swiglu_fp8`, `ops.swiglu_backward_fp8`) write their outputs
+quantized along the row too (h and the kept pre-activations forward, d_gate_up backward), so no quantization
+pass reads them again; the along-tokens copies stay separate passes.
+
 Kept for backward (`Kept`): the gate/up pre-activations quantized along 2I in packed rows, and h quantized
 along tokens; x along tokens is rebuilt in backward from x (the same bits, H bytes per row not kept).
 At EP the rows are pulled in bf16 and quantized after the pull, as MoK does; the quantized values are
@@ -49,7 +53,7 @@ import torch
 
 from . import stages
 from .ops import QuantizedTensor, dequantize, quantize
-from .schedule import Schedule, packed_rows
+from .schedule import Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +269,9 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
         gate_up_w = made.gate_up if made is not None else _gate_up_weights(recipe, w_gate, w_up, 2)
         gate_up_rows = ops.fp8_grouped_gemm(x_q, gate_up_w, schedule)
-        h = ops.swiglu(gate_up_rows, swiglu_limit)
-        # kept in packed rows, as BF16 keeps it: the quantizer reads the packed rows itself (no gather pass after)
-        gate_up = recipe.rows(gate_up_rows, rows_of=(packed_rows(schedule), 1))[0]
+        # one row pass: h, h quantized along I, and the pre-activations kept in packed rows, as BF16 keeps them
+        h, h_q, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block, recipe.scale_format)
+        del gate_up_rows
     else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
         x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
         gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
@@ -277,13 +281,10 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     kept = Kept(gate_up, recipe.tokens(h, keep=True)[0])
     if w_down is None:
         return None, kept
-    h_q, h_deq = recipe.rows(h)
     down_w = made.down if made is not None else recipe.weight(w_down, 2)
     if recipe.fp8_gemm:
-        out = ops.fp8_grouped_gemm(h_q, down_w, schedule)
-    else:
-        out = ops.down(h_deq, down_w, schedule)
-    return out, kept
+        return ops.fp8_grouped_gemm(h_q, down_w, schedule), kept
+    return ops.down(recipe.rows(h)[1], down_w, schedule), kept
 
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
@@ -306,7 +307,9 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, made.down_t if made is not None else recipe.weight(w_down, 1),
                                        schedule)
-        d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw, swiglu_limit)
+        d_gate_up, d_gate_up_q, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw,
+                                                                    swiglu_limit)
+        del d_h_raw
     else:
         d_y_deq = rows_quantized(d_y, d_y_rows, recipe.rows)[1]
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, made.down_t if made is not None else
@@ -314,14 +317,15 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
                                                         dequantize(kept.gate_up, dtype), router_weights,
                                                         schedule, swiglu_limit)
         del d_y_deq
-    d_gate_up_q, d_gate_up_deq = recipe.rows(d_gate_up)
     if recipe.fp8_gemm:
         gate_up_t = made.gate_up_t if made is not None else _gate_up_weights(recipe, w_gate, w_up, 1)
         d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, gate_up_t, schedule)
+        del d_gate_up_q
     else:
+        d_gate_up_deq = recipe.rows(d_gate_up)[1]
         gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
         d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, gate_t, up_t, schedule)
-    del d_gate_up_q, d_gate_up_deq
+        del d_gate_up_deq
     if not weight_grads:
         return d_x_rows, d_rw_rows, None, None, None
     # weight gradients: operands along tokens

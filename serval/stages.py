@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import QuantizedTensor, dequantize
+from .ops import QuantizedTensor, dequantize, quantize
 from .schedule import Schedule, packed_index, packed_rows
 
 
@@ -241,15 +241,29 @@ def fp8_grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule)
     return grouped_mm(dequantize(a), dequantize(b), schedule).to(torch.bfloat16)
 
 
+def _rows_quantized(t: torch.Tensor, block: int, scale_format: str, rows_of=None) -> QuantizedTensor:
+    return quantize(t, block=(1, block), scale_format=scale_format, rows_of=rows_of)[0]
+
+
+def swiglu_fp8(gate_up_rows, schedule: Schedule, swiglu_limit: float | None, block: int, scale_format: str):
+    """The SwiGLU forward of the block-scaled FP8 path, from gate_up rows [R, 2I] (bf16): (h bf16 [R, I],
+    h quantized along I, the gate/up pre-activations quantized along 2I in packed rows [num_packed, 2I]),
+    1 x block blocks of scale_format."""
+    h = swiglu(gate_up_rows, swiglu_limit)
+    kept = _rows_quantized(gate_up_rows, block, scale_format, rows_of=(packed_rows(schedule), 1))
+    return h, _rows_quantized(h, block, scale_format), kept
+
+
 def swiglu_backward_fp8(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, row_router_weights,
                         swiglu_limit: float | None):
     """The SwiGLU backward of the block-scaled FP8 path: d_h_raw [R, I] (the down dgrad, bf16) and the kept
-    pre-activations (quantized, packed rows), dequantized to bf16. Returns (d_gate_up bf16 [R, 2I],
-    d_rw_rows fp32 [R])."""
+    pre-activations (quantized, packed rows), dequantized to bf16. Returns (d_gate_up bf16 [R, 2I], d_gate_up
+    quantized along 2I in the kept copy's blocks and scale format, d_rw_rows fp32 [R])."""
     gate_up_rows = unpacked(dequantize(gate_up, torch.bfloat16), schedule)
     d_gate_up, _, d_rw_rows = swiglu_backward(d_h_raw, gate_up_rows, row_router_weights, swiglu_limit,
                                               torch.bfloat16)
-    return d_gate_up, d_rw_rows
+    scale_format = "fp32" if gate_up.scale.dtype == torch.float32 else "e8m0"
+    return d_gate_up, _rows_quantized(d_gate_up, gate_up.block[1], scale_format), d_rw_rows
 
 
 def fp8_weight_grad(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule) -> torch.Tensor:

@@ -262,3 +262,78 @@ def test_auto_engine_is_gluon_on_hopper(monkeypatch):
     schedule, a_data, a_scale, b_data, b_scale = make_case(**GPU_CASES["one token"])
     fp8_gemm.grouped_gemm(a_data, a_scale, b_data, b_scale, schedule)
     assert calls == [1]
+
+
+# ---------------------------------------------------------------- the SwiGLU row passes that quantize their outputs
+
+ROW_PASS_CASES = {  # (tokens, experts, top_k, kind, inter, scale block, scale format, swiglu_limit)
+    "random": (48, 4, 2, "random", 256, 128, "fp32", None),
+    "empty experts, limit": (30, 6, 2, "empty", 128, 128, "fp32", 0.5),
+    "one expert, k=1": (70, 4, 1, "one", 128, 128, "fp32", None),
+    "one token": (1, 4, 2, "random", 256, 128, "fp32", 7.0),
+    "e8m0 blocks of 32": (40, 3, 2, "random", 96, 32, "e8m0", None),
+}
+
+
+def _row_pass_case(tokens, experts, top_k, kind, inter, block, scale_format, limit, device, seed=0):
+    from serval.ops import quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    router_weights, ids = make_routing(tokens, experts, top_k, kind=kind, seed=seed)
+    schedule = build_schedule(ids.to(device), experts, 128)
+    gate_up_rows = (routed_rows(schedule, 2 * inter, gen, device) * 2).bfloat16()
+    gate_up_rows[1 % gate_up_rows.shape[0], :block] = 0  # a zero block
+    d_h_raw = routed_rows(schedule, inter, gen, device).bfloat16()
+    row_rw = torch.rand(schedule.capacity, generator=gen).to(device)
+    kept = quantize(gate_up_rows[torch.as_tensor(_packed_rows(schedule))], block=(1, block),
+                    scale_format=scale_format)[0]
+    return schedule, gate_up_rows, d_h_raw, row_rw, kept
+
+
+def _packed_rows(schedule):
+    from serval.schedule import packed_rows
+    return packed_rows(schedule)
+
+
+def _assert_quantized_equal(got, want, rows, what):
+    assert got.block == want.block and got.transposed == want.transposed, what
+    assert torch.equal(got.data[rows].view(torch.uint8), want.data[rows].view(torch.uint8)), f"{what}: data"
+    assert torch.equal(got.scale[rows].view(torch.uint8), want.scale[rows].view(torch.uint8)), f"{what}: scale"
+
+
+@pytest.mark.parametrize("case", ROW_PASS_CASES)
+def test_swiglu_row_passes_quantize_as_the_quantizer(case):
+    """The FP8 SwiGLU row passes (serval.kernels.swiglu_rows) give bit for bit the torch stages' outputs: h and
+    d_gate_up, their quantized copies along the row (serval.ops.quantize's rule), the kept pre-activations in
+    packed rows, and d_rw_rows within fp32 rounding (its sum runs in another order); twice the same bits."""
+    from serval import stages
+    from serval.kernels import swiglu_rows
+    from serval.schedule import packed_index
+
+    *_, inter, block, scale_format, limit = ROW_PASS_CASES[case]
+    schedule, gate_up_rows, d_h_raw, row_rw, kept = _row_pass_case(*ROW_PASS_CASES[case], DEVICE)
+    want = stages.swiglu_fp8(gate_up_rows, schedule, limit, block, scale_format)
+    runs = [swiglu_rows.swiglu_fp8(gate_up_rows, schedule, limit, block, scale_format) for _ in range(2)]
+    used = packed_index(schedule) >= 0
+    for got in runs:
+        assert torch.equal(got[0], want[0]), "h"
+        _assert_quantized_equal(got[1], want[1], slice(None), "h rows")
+        _assert_quantized_equal(got[2], want[2], slice(0, int(used.sum())), "kept gate_up")
+    assert torch.equal(runs[0][2].data[:int(used.sum())].view(torch.uint8),
+                       kept.data[:int(used.sum())].view(torch.uint8))
+
+    want_d = stages.swiglu_backward_fp8(d_h_raw, kept, schedule, row_rw, limit)
+    runs = [swiglu_rows.swiglu_backward_fp8(d_h_raw, kept, schedule, row_rw, limit) for _ in range(2)]
+    for got in runs:
+        assert torch.equal(got[0][used], want_d[0][used]), "d_gate_up"
+        _assert_quantized_equal(got[1], want_d[1], used, "d_gate_up rows")
+        torch.testing.assert_close(got[2][used], want_d[2][used], rtol=1e-5, atol=1e-6)
+    assert torch.equal(runs[0][2], runs[1][2]), "d_rw_rows run to run"
+
+
+def test_swiglu_row_passes_need_whole_blocks():
+    from serval.kernels import swiglu_rows
+
+    schedule, gate_up_rows, *_ = _row_pass_case(8, 2, 1, "random", 128, 128, "fp32", None, DEVICE)
+    with pytest.raises(ValueError, match="multiple of the scale block 128"):
+        swiglu_rows.swiglu_fp8(gate_up_rows[:, :192], schedule, None, 128, "fp32")

@@ -70,7 +70,7 @@ class KernelStages:
     sum_slots = staticmethod(sum_slots)
     gate_up_weight_grad = staticmethod(gate_up_weight_grad)
     down_weight_grad = staticmethod(down_weight_grad)
-    swiglu = staticmethod(swiglu_rows.swiglu)
+    swiglu_fp8 = staticmethod(swiglu_rows.swiglu_fp8)
     swiglu_backward_fp8 = staticmethod(swiglu_rows.swiglu_backward_fp8)
 
     def gate_up_swiglu(self, *args, **kwargs):

@@ -59,6 +59,46 @@ def _div_by_block_scale(x, scale, recip):
 
 
 @triton.jit
+def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE: tl.constexpr,
+                    EXACT_ROUND: tl.constexpr):
+    """`serval.ops`' rule, steps 2-5, on a tile x (fp32, already the bf16-rounded values) whose extent along a
+    blocked dim equals the block: (e4m3 values, their bytes uint8, the stored scales, blocks with NaN / Inf).
+    The scales are [TILE_R, 1] for (1, B) blocks, [1, TILE_C] for (B, 1), [1, 1] for (B, B); fp32, or the E8M0
+    byte. Every kernel that quantizes (this module's, the SwiGLU row passes) calls it: one rule, one code."""
+    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if BLOCK_R == 1:
+        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
+    elif BLOCK_C == 1:
+        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
+    else:
+        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
+    bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
+
+    if FP32_SCALE:
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+        q = _div_by_block_scale(x, scale, tl.math.div_rn(1.0, scale))  # bad blocks: written as NaN below
+        scale = tl.where(bad, float("nan"), scale)
+        stored_scale = scale
+    else:
+        # e = ceil(log2(amax / 448)) exactly: amax = m * 2^p, m in [0.5, 1) -> e = p - 9 + (m > 0.875);
+        # from the fields: p = biased - 126, m > 0.875 <=> mantissa field > 0x600000. Zero and tiny -> -127.
+        biased = amax_bits >> 23
+        exp = tl.maximum(biased - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -127)
+        exp = tl.where(bad, 0, exp)  # any finite value: the block is written as NaN below
+        q = x * ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2^-exp, exact (exp <= 120)
+        stored_scale = tl.where(bad, 255, exp + 127).to(tl.uint8)
+    if EXACT_ROUND:
+        e4m3 = _round_e4m3(q).to(tl.float8e4nv)  # exact: the value is already an e4m3 one
+    else:
+        e4m3 = q.to(tl.float8e4nv)  # cvt.rn.satfinite
+    byte = tl.where(bad, 0x7F, e4m3.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
+
+    return e4m3, byte, stored_scale, bad
+
+
+@triton.jit
 def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_source_ptr, top_k,
                      data_ptr, stride_de, stride_dr, scale_ptr, stride_se, stride_sr, deq_ptr, R, C, n_scale_r,
                      n_scale_c, n_tiles_c,
@@ -93,35 +133,7 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
     if ROUND_INPUT:
         x = common.round_bf16(x)
 
-    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    if BLOCK_R == 1:
-        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
-    elif BLOCK_C == 1:
-        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
-    else:
-        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
-    bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
-
-    if FP32_SCALE:
-        amax = amax_bits.to(tl.float32, bitcast=True)
-        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-        q = _div_by_block_scale(x, scale, tl.math.div_rn(1.0, scale))  # bad blocks: written as NaN below
-        scale = tl.where(bad, float("nan"), scale)
-        stored_scale = scale
-    else:
-        # e = ceil(log2(amax / 448)) exactly: amax = m * 2^p, m in [0.5, 1) -> e = p - 9 + (m > 0.875);
-        # from the fields: p = biased - 126, m > 0.875 <=> mantissa field > 0x600000. Zero and tiny -> -127.
-        biased = amax_bits >> 23
-        exp = tl.maximum(biased - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -127)
-        exp = tl.where(bad, 0, exp)  # any finite value: the block is written as NaN below
-        q = x * ((127 - exp) << 23).to(tl.float32, bitcast=True)  # 2^-exp, exact (exp <= 120)
-        stored_scale = tl.where(bad, 255, exp + 127).to(tl.uint8)
-    if EXACT_ROUND:
-        e4m3 = _round_e4m3(q).to(tl.float8e4nv)  # exact: the value is already an e4m3 one
-    else:
-        e4m3 = q.to(tl.float8e4nv)  # cvt.rn.satfinite
-    byte = tl.where(bad, 0x7F, e4m3.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
+    e4m3, byte, stored_scale, bad = quantize_values(x, BLOCK_R, BLOCK_C, FP32_SCALE, EXACT_ROUND)
 
     out_rows = tile_r * SR + tl.arange(0, SR)
     out_cols = tile_c * SC + tl.arange(0, SC)
@@ -140,9 +152,10 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
     if DEQUANTIZED:
         r = e4m3.to(tl.float32)
         if FP32_SCALE:
-            deq = r * scale  # fp32 out
+            deq = r * stored_scale  # fp32 out
         else:
             # 2^exp (exp = -127: the subnormal 2^-127, bits 0x400000); r * 2^exp is exact in fp32, rounded once to bf16
+            exp = stored_scale.to(tl.int32) - 127
             pow2 = tl.where(exp > -127, (exp + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
             deq = common.round_bf16(r * pow2)
         deq = tl.where(bad, float("nan"), deq)
