@@ -24,6 +24,12 @@ _INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
 POISON_OUTPUTS = os.environ.get("SERVAL_POISON_OUTPUTS", "0") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints. Not triton.cdiv: on the host that is a constexpr-function call (about 2 us under
+    Triton 3.6), and a layer step computes dozens of grids."""
+    return -(-a // b)
+
+
 def empty(shape, dtype, device) -> torch.Tensor:
     """An output buffer (NaN-filled, or int -1, when POISON_OUTPUTS is set)."""
     if POISON_OUTPUTS:

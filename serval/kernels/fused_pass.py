@@ -319,7 +319,7 @@ def minibatch_m_tiles(minibatch_rows: int | None, hidden: int, inter: int, block
     minibatch)."""
     if minibatch_rows is None:
         compute_sms = max(1, common.num_sms(device.index) - pull_programs)
-        minibatch_rows = mok_minibatch_rows([triton.cdiv(inter, first_block_n), triton.cdiv(hidden, second_block_n)],
+        minibatch_rows = mok_minibatch_rows([common.cdiv(inter, first_block_n), common.cdiv(hidden, second_block_n)],
                                             compute_sms, block_m)
     return max(1, min(minibatch_rows // block_m, capacity_m_tiles))
 
@@ -416,8 +416,8 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
     if use_tma and not common.INTERPRET:
         common.install_tma_allocator()
     capacity_m_tiles = schedule.capacity // block_m
-    n_first = triton.cdiv(inter, first_tiles.block_n)
-    n_second = triton.cdiv(hidden, second_tiles.block_n)
+    n_first = common.cdiv(inter, first_tiles.block_n)
+    n_second = common.cdiv(hidden, second_tiles.block_n)
     max_tasks = capacity_m_tiles * (n_first + n_second)
     num_programs = max(1, min(common.num_sms(device.index), max_tasks))
     pull_programs, pull_args, pull_block_c = 0, (0, h, 0, h, h), 16

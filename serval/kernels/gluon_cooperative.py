@@ -28,7 +28,6 @@ arrival they wait for is made unconditionally by the same program.
 
 from __future__ import annotations
 
-import triton
 
 from ..plan import GluonConfig
 from ..schedule import Schedule, packed_index
@@ -219,7 +218,7 @@ def _launch(a, w0, w1, *, schedule: Schedule, n_out: int, k: int, epilogue: str,
     block_m, block_k, block_n = 128, 64, 256
     tile_n = block_n // 2 if epilogue == "swiglu_fwd" else block_n
     w_box = [tile_n, block_k] if w_nk else [block_k, block_n]
-    num_tiles = (schedule.capacity // block_m) * triton.cdiv(n_out, tile_n)
+    num_tiles = (schedule.capacity // block_m) * common.cdiv(n_out, tile_n)
     num_programs = max(1, min(common.num_sms(a.device.index), num_tiles))
     _cooperative_kernel[(num_programs,)](
         descriptor(a, [block_m, block_k]), descriptor(w0, w_box), descriptor(w1, w_box),

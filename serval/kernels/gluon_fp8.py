@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import triton
 
 from ..schedule import Schedule
 from . import common, gluon_common
@@ -286,7 +285,7 @@ def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, conf
     config = config or choose_config(n)
     if num_rows == 0 or n == 0:
         return out
-    num_tiles_max = (num_rows // BLOCK_M) * triton.cdiv(n, config.block_n)
+    num_tiles_max = (num_rows // BLOCK_M) * common.cdiv(n, config.block_n)
     _launch(a_data, b_data.view(num_experts * n, k), a_scale, b_scale, out, schedule, segment="rows", m=num_rows,
             n=n, k=k, a_scale_strides=tuple(a_scale.stride()), b_scale_strides=tuple(b_scale.stride()),
             b_scale_group=128, out_strides=(0, out.stride(0)), num_tiles_max=num_tiles_max, config=config)
@@ -300,7 +299,7 @@ def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, confi
     config = config or choose_config(n, weight_grad=True)
     if out.numel() == 0:
         return out
-    num_tiles_max = schedule.num_experts * triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
+    num_tiles_max = schedule.num_experts * common.cdiv(m, BLOCK_M) * common.cdiv(n, config.block_n)
     # both operands' per-row scales as [R/128, rows padded to whole tiles] (zeros past M and N), so a K step's
     # scales for a tile are one contiguous run and the kernel loads them without masks
     a_scale_t = _scales_by_step(a_scale, BLOCK_M)
@@ -315,6 +314,6 @@ def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, confi
 def _scales_by_step(scale, tile: int):
     """scale fp32 [M, KB] -> [KB, M rounded up to a multiple of tile], zeros past M."""
     rows, steps = scale.shape
-    out = scale.new_zeros(steps, triton.cdiv(rows, tile) * tile)
+    out = scale.new_zeros(steps, common.cdiv(rows, tile) * tile)
     out[:, :rows] = scale.t()
     return out

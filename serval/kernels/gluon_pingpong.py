@@ -36,7 +36,6 @@ to waits on other programs and GPUs.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..plan import GluonConfig
 from ..schedule import Schedule, packed_index
@@ -258,7 +257,7 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     gradient's row partials fp32 [R, ceil(I / 16)] (`triton_gemm.sum_partials` adds them)."""
     num_experts, hidden, inter = w_down.shape
     num_rows, block_m = schedule.capacity, 128
-    num_n_tiles = triton.cdiv(inter, block_n)
+    num_n_tiles = common.cdiv(inter, block_n)
     triton_gemm.check_d_rw_chunks("pingpong", block_n, config.epi_split)
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)

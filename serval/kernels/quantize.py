@@ -187,7 +187,7 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
     if rows_of is not None:
         R = rows_of[0].shape[0]
     br, bc = block
-    n_r, n_c = triton.cdiv(R, br), triton.cdiv(C, bc)
+    n_r, n_c = common.cdiv(R, br), common.cdiv(C, bc)
     device = t.device
     if out is not None:
         data, scale = out
@@ -200,8 +200,8 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
             scale = common.empty(scale_shape, torch.int8, device).view(torch.uint8)  # int8: poison -1 = 0xFF
     deq = common.empty((num_e, R, C), torch.float32 if fp32_scale else torch.bfloat16, device) if dequantized else None
     tile_r, tile_c, num_warps = _tile(block)
-    n_tiles_c = triton.cdiv(C, tile_c)
-    grid = (triton.cdiv(R, tile_r) * n_tiles_c, num_e)
+    n_tiles_c = common.cdiv(C, tile_c)
+    grid = (common.cdiv(R, tile_r) * n_tiles_c, num_e)
     if grid[0] and num_e:
         _quantize_kernel[grid](
             t, t.stride(0), t.stride(1), t.stride(2), row_scale.contiguous() if row_scale is not None else t,
@@ -249,8 +249,8 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], 
     num_e, R, C = data.shape
     out = common.empty((num_e, R, C), dtype, data.device)
     tile_r, tile_c = 32, 256
-    n_tiles_c = triton.cdiv(C, tile_c)
-    grid = (triton.cdiv(R, tile_r) * n_tiles_c, num_e)
+    n_tiles_c = common.cdiv(C, tile_c)
+    grid = (common.cdiv(R, tile_r) * n_tiles_c, num_e)
     if grid[0] and num_e:
         _dequantize_kernel[grid](data, scale, out, R, C,
                                  scale.shape[1], scale.shape[2], n_tiles_c, BLOCK_R=block[0], BLOCK_C=block[1],

@@ -71,7 +71,7 @@ def gather(t: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     t = t if t.stride(-1) == 1 else t.contiguous()
     num_rows, hidden = schedule.capacity, t.shape[1]
     rows = common.empty((num_rows, hidden), t.dtype, t.device)
-    grid = (triton.cdiv(num_rows, GATHER_BLOCK_ROWS), triton.cdiv(hidden, BLOCK_H))
+    grid = (common.cdiv(num_rows, GATHER_BLOCK_ROWS), common.cdiv(hidden, BLOCK_H))
     _gather_kernel[grid](t, schedule.row_source, rows, num_rows, hidden, schedule.top_k, t.stride(0),
                          BLOCK_R=GATHER_BLOCK_ROWS, BLOCK_H=BLOCK_H, num_warps=4)
     return rows
@@ -84,7 +84,7 @@ def _sum_slots(rows, weights, schedule: Schedule, shared):
     out = common.empty((num_tokens, hidden), rows.dtype, rows.device)
     if shared is not None and shared.stride(-1) != 1:
         shared = shared.contiguous()
-    grid = (triton.cdiv(num_tokens, SUM_BLOCK_TOKENS), triton.cdiv(hidden, BLOCK_H))
+    grid = (common.cdiv(num_tokens, SUM_BLOCK_TOKENS), common.cdiv(hidden, BLOCK_H))
     _sum_slots_kernel[grid](
         rows, rows.stride(0),
         weights.contiguous() if weights is not None else rows,

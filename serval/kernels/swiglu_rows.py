@@ -134,7 +134,7 @@ def swiglu_fp8(gate_up_rows: torch.Tensor, schedule: Schedule, swiglu_limit: flo
     h = common.empty((num_rows, inter), gate_up_rows.dtype, device)
     h_rows = _quantized_rows(num_rows, inter, block, fp32_scale, device)
     kept = _quantized_rows(schedule.num_packed, 2 * inter, block, fp32_scale, device)
-    grid = (triton.cdiv(num_rows, BLOCK_ROWS), inter // block)
+    grid = (common.cdiv(num_rows, BLOCK_ROWS), inter // block)
     if grid[0] and grid[1]:
         _forward_kernel[grid](gate_up_rows.contiguous(), h, packed_index(schedule), h_rows.data.view(torch.uint8),
                               h_rows.scale, kept.data.view(torch.uint8), kept.scale, num_rows, inter,
@@ -156,7 +156,7 @@ def swiglu_backward_fp8(d_h_raw: torch.Tensor, gate_up: QuantizedTensor, schedul
     d_gate_up_rows = _quantized_rows(num_rows, 2 * inter, block, fp32_scale, device)
     d_rw_rows = common.empty((num_rows,), torch.float32, device)
     if num_rows:
-        _backward_kernel[(triton.cdiv(num_rows, BLOCK_ROWS),)](
+        _backward_kernel[(common.cdiv(num_rows, BLOCK_ROWS),)](
             d_h_raw, gate_up.data, gate_up.scale, packed_index(schedule), row_router_weights.float().contiguous(),
             d_gate_up, d_gate_up_rows.data.view(torch.uint8), d_gate_up_rows.scale, d_rw_rows, num_rows, inter,
             float(swiglu_limit or 0.0), SCALE_BLOCK=block, FP32_SCALE=fp32_scale, EXACT_ROUND=common.INTERPRET,

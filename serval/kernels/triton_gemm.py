@@ -447,7 +447,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, w_nk:
     if use_tma and not common.INTERPRET:
         common.install_tma_allocator()
 
-    num_n_tiles = triton.cdiv(n_out, tiles.block_n)
+    num_n_tiles = common.cdiv(n_out, tiles.block_n)
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
     dummy = out  # stands in for pointers a variant does not use
@@ -557,7 +557,7 @@ def check_d_rw_chunks(name: str, block_n: int, epi_split: int) -> None:
 def new_d_rw_partial(num_rows: int, inter: int, device) -> torch.Tensor:
     """The router-weight gradient's partials fp32 [R, ceil(I / 16)], one per row and group of 16 columns, written
     by every down dgrad engine in the order `swiglu.d_rw_group_sums` fixes (`sum_partials` adds them)."""
-    return common.empty((num_rows, triton.cdiv(inter, swiglu.D_RW_COLUMNS)), torch.float32, device)
+    return common.empty((num_rows, common.cdiv(inter, swiglu.D_RW_COLUMNS)), torch.float32, device)
 
 
 def sum_partials(d_rw_partial, schedule: Schedule):
@@ -565,7 +565,7 @@ def sum_partials(d_rw_partial, schedule: Schedule):
     num_rows, num_groups = d_rw_partial.shape
     d_rw_rows = common.empty((num_rows,), torch.float32, d_rw_partial.device)
     block_r = 128
-    _sum_partials_kernel[(triton.cdiv(num_rows, block_r),)](
+    _sum_partials_kernel[(common.cdiv(num_rows, block_r),)](
         d_rw_partial, d_rw_rows, schedule.expert_offsets, schedule.num_experts, num_rows, num_groups,
         BLOCK_R=block_r)
     return d_rw_rows

@@ -405,7 +405,7 @@ def grouped_wgrad(
     if use_tma and a.is_cuda:
         common.install_tma_allocator()
 
-    n_tiles = E * num_outputs * triton.cdiv(P_out, config.block_p) * triton.cdiv(Q, config.block_q)
+    n_tiles = E * num_outputs * common.cdiv(P_out, config.block_p) * common.cdiv(Q, config.block_q)
     grid = (min(n_tiles, common.num_sms(a.device.index if a.is_cuda else None)),)
     e_pad = triton.next_power_of_2(E)
     # per-program scratch row for the expert order (LPT); never read before the same program writes it

@@ -128,7 +128,7 @@ def pull_rows(table: torch.Tensor, row_source: torch.Tensor, num_tokens: int, to
     num_rows = row_source.shape[0]
     rows = common.empty((num_rows, cols), dtype, row_source.device)
     block_r, block_c = _blocks(cols)
-    grid = (triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))
+    grid = (common.cdiv(num_rows, block_r), common.cdiv(cols, block_c))
     if num_rows and cols:
         _pull_kernel[grid](table, row_source, rows, num_rows, cols, num_tokens * top_k, top_k,
                            ELEM_BYTES=rows.element_size(), ALIGNED=aligned,
@@ -145,7 +145,7 @@ def push_rows(table: torch.Tensor, rows: torch.Tensor, row_source: torch.Tensor,
     row_source = row_source.contiguous()
     num_rows, cols = rows.shape
     block_r, block_c = _blocks(cols)
-    grid = (triton.cdiv(num_rows, block_r), triton.cdiv(cols, block_c))
+    grid = (common.cdiv(num_rows, block_r), common.cdiv(cols, block_c))
     if num_rows and cols:
         _push_kernel[grid](table, row_source, rows, rows.stride(0), num_rows, cols, num_slots,
                            ELEM_BYTES=rows.element_size(), ALIGNED=aligned,
