@@ -15,7 +15,7 @@ One module per engine or job:
     quantize.py           FP8 quantization (serval.ops.quantize on the GPU)
     rows.py               gather, combine and slot sums (memory-bound row passes)
     swiglu.py             the SwiGLU math of every epilogue
-    swiglu_rows.py        the SwiGLU forward and backward as row passes (the FP8 path's GEMMs store plain rows)
+    swiglu_rows.py        the SwiGLU forward and backward as row passes, outputs also row-quantized (the FP8 path)
     common.py             interpreter, target, TMA allocator, SM count, output allocation, tile order
 """
 
