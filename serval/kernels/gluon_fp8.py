@@ -312,8 +312,12 @@ def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, confi
 
 
 def _scales_by_step(scale, tile: int):
-    """scale fp32 [M, KB] -> [KB, M rounded up to a multiple of tile], zeros past M."""
+    """scale fp32 [M, KB] -> [KB, M rounded up to a multiple of tile], zeros past M (one copy kernel where M is
+    a multiple of tile, as the layer's M and N are; else a fill too)."""
     rows, steps = scale.shape
-    out = scale.new_zeros(steps, common.cdiv(rows, tile) * tile)
+    padded = common.cdiv(rows, tile) * tile
+    if padded == rows:
+        return scale.t().contiguous()
+    out = scale.new_zeros(steps, padded)
     out[:, :rows] = scale.t()
     return out
