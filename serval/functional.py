@@ -29,6 +29,7 @@ Each pass runs its stages on one backend: `serval.kernels` (Triton) or
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import functools
@@ -238,6 +239,15 @@ def get_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int, *,
     problem and Config: a token count that varies from step to step reuses its earlier workspaces)."""
     return _cached_workspace(num_tokens, top_k, hidden, num_experts, torch.device(device or "cpu"),
                              config or Config(), group, dtype)
+
+
+@atexit.register
+def _release_workspaces() -> None:
+    """Drop every cached workspace at interpreter exit. A workspace holds its process group (and its transport):
+    kept alive past `dist.destroy_process_group`, the group would be destroyed during interpreter teardown, where
+    gloo's threads abort the process ("terminate called without an active exception"), at random."""
+    _cached_workspace.cache_clear()
+    _WORKSPACES.clear()
 
 
 def workspace_by_id(ident: int) -> Workspace:
