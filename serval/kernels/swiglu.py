@@ -153,8 +153,8 @@ def d_rw_group_sums(terms):
     """[rows, C] d_rw terms -> [rows, C // 16]: each group of 16 columns summed in one fixed tree. On the GPU its
     last two levels are a warp sum over the quad's lanes (a wgmma accumulator's chunk puts q0..q3 in lanes 0..3 of
     a quad; the butterfly, xor 2 then xor 1, is `d_rw_finish_quads`' tree), which needs no shared memory; the
-    interpreter, whose sum adds in order, takes the explicit tree. The GPU tests check the bits against the
-    ping-pong engine's for every tile the plan can choose."""
+    interpreter, whose sum adds in order, takes the explicit tree. GPU tests check the bits against the
+    ping-pong engine's (five tile widths and splits); the sm_90a layouts of eight tiles were read (reports)."""
     quads = d_rw_group_quads(terms)
     if _INTERPRET:
         return d_rw_finish_quads(quads)
