@@ -176,6 +176,15 @@ def _tile(block: tuple[int, int]) -> tuple[int, int, int]:
     return (32, 32, 2) if br == 32 else (128, 128, 4)
 
 
+def empty_quantized(data_shape, scale_shape, fp32_scale: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output buffers (`common.empty`) of a quantization: E4M3 data, and fp32 or E8M0 (uint8) scales."""
+    if fp32_scale:
+        scale = common.empty(scale_shape, torch.float32, device)
+    else:
+        scale = common.empty(scale_shape, torch.int8, device).view(torch.uint8)  # int8: poison -1 = 0xFF
+    return common.empty(data_shape, torch.float8_e4m3fn, device), scale
+
+
 def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpose: bool,
              row_scale: torch.Tensor | None, dequantized: bool, out=None, rows_of=None):
     """The kernel on t [E, R, C] (any strides): (data float8_e4m3fn, scale uint8 or fp32, dequantized or None),
@@ -192,12 +201,8 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
     if out is not None:
         data, scale = out
     else:
-        data = common.empty((num_e, C, R) if transpose else (num_e, R, C), torch.float8_e4m3fn, device)
-        scale_shape = (num_e, n_c, n_r) if transpose else (num_e, n_r, n_c)
-        if fp32_scale:
-            scale = common.empty(scale_shape, torch.float32, device)
-        else:
-            scale = common.empty(scale_shape, torch.int8, device).view(torch.uint8)  # int8: poison -1 = 0xFF
+        data, scale = empty_quantized((num_e, C, R) if transpose else (num_e, R, C),
+                                      (num_e, n_c, n_r) if transpose else (num_e, n_r, n_c), fp32_scale, device)
     deq = common.empty((num_e, R, C), torch.float32 if fp32_scale else torch.bfloat16, device) if dequantized else None
     tile_r, tile_c, num_warps = _tile(block)
     n_tiles_c = common.cdiv(C, tile_c)

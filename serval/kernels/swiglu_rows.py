@@ -113,9 +113,8 @@ def _backward_kernel(d_h_ptr, data_ptr, scale_ptr, packed_ptr, rw_ptr, d_gate_up
 
 def _quantized_rows(num_rows: int, cols: int, block: int, fp32_scale: bool, device) -> QuantizedTensor:
     """An output buffer quantized along its rows: data E4M3 [num_rows, cols], scale [num_rows, cols / block]."""
-    scale = (common.empty((num_rows, cols // block), torch.float32, device) if fp32_scale else
-             common.empty((num_rows, cols // block), torch.int8, device).view(torch.uint8))  # int8: poison 0xFF
-    return QuantizedTensor(common.empty((num_rows, cols), torch.float8_e4m3fn, device), scale, (1, block), False)
+    data, scale = quantize.empty_quantized((num_rows, cols), (num_rows, cols // block), fp32_scale, device)
+    return QuantizedTensor(data, scale, (1, block), False)
 
 
 def _check_blocks(inter: int, block: int) -> None:
