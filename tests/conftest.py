@@ -66,6 +66,7 @@ GLUON_CASES = {
     "partial tiles": dict(num_tokens=97, top_k=4, num_experts=8, hidden=320, inter=200),
     "one expert": dict(num_tokens=150, top_k=1, num_experts=4, hidden=128, inter=256, skew=True),
     "one token": dict(num_tokens=1, top_k=2, num_experts=4, hidden=128, inter=128),
+    "rows of 8 mod 16": dict(num_tokens=130, top_k=2, num_experts=3, hidden=136, inter=136),  # 16-byte rows only
 }
 
 

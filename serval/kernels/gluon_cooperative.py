@@ -55,6 +55,11 @@ if gluon_common.GLUON:
         gather_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BLOCK_K, BLOCK_K // VEC],
                                                        [gl.num_warps(), 1], [1, 0])
         w_bytes: gl.constexpr = w0_desc.block_type.nbytes * (BLOCK_N // TILE_N)
+        if A_GATHER:
+            # K (x's row length) is a multiple of VEC (host-checked: 16-byte rows); rewritten so that the compiler
+            # sees it too, else it cannot prove a row's start or its column mask 16-byte uniform and cp.async,
+            # which copies at least 4 bytes, fails to compile where K % 16 != 0
+            K = K // VEC * VEC
         k_steps = gl.cdiv(K, BLOCK_K)
         a_steps = 2 * k_steps if K_SPLIT else k_steps  # K_SPLIT: A's columns run over both weights' K
         count = 0
