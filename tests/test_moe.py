@@ -350,9 +350,11 @@ def test_frozen_weights_skip_their_gradients(backend, precision):
     GEMMs do not run, and every other gradient keeps its bits; also through torch.compile (the fake
     implementation's shapes)."""
     dtype = torch.float32 if precision == "bf16" and backend == "torch" else torch.bfloat16
-    x, weights, shared = make_layer(24, 32, 128, 4, shared_inter=16, dtype=dtype)
-    rw, ids = make_routing(24, 4, 2)
-    config = serval.Config(backend=backend, precision=precision, block_m=16 if precision == "bf16" else 128)
+    device = "cuda" if CUDA and backend == "triton" else "cpu"  # the kernels: on the GPU, else interpreted
+    x, weights, shared = make_layer(24, 32, 128, 4, shared_inter=16, dtype=dtype, device=device)
+    rw, ids = make_routing(24, 4, 2, device=device)
+    block_m = 16 if precision == "bf16" and device == "cpu" else 128
+    config = serval.Config(backend=backend, precision=precision, block_m=block_m)
 
     def grads(routed_frozen, shared_frozen, compiled=False):
         leaves = [t.detach().clone().requires_grad_() for t in (x, rw)]
