@@ -287,6 +287,15 @@ def test_layer_variants_tiny(tmp_path):
     assert records[0]["rel_err"] == 0.0 and records[2]["settings"] == ["block_m=32"]
 
 
+@pytest.mark.parametrize("mode", [(), ("--ep",)], ids=["layer", "ep"])
+def test_fuzz_layer_tiny(mode):
+    """tools/fuzz_layer.py: a few seconds of random small problems (and at EP, gloo processes on the CPU), every
+    case checked, none failing."""
+    out = run_script(os.path.join(TOOLS, "fuzz_layer.py"), "--tiny", "--seconds", "3", "--seed", "0", *mode)
+    count, failed = re.search(r"(\d+) cases in .* (\d+) failed", out).groups()
+    assert int(count) >= 1 and failed == "0", out[-3000:]
+
+
 def test_kernel_stages_tiny():
     """tools/kernel_stages.py --tiny: every stage (GEMMs per plan, weight gradients, row kernels) in the
     interpreter, within tolerance of its torch stage; a --variant plan is a column of its own."""
