@@ -45,6 +45,14 @@ from .config import Config
 from .schedule import (Schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
                        slot_schedule)
 
+if dist.is_available():
+    # torch.distributed.nn.functional evaluates `group.WORLD` into ten functions' default arguments when it is
+    # imported, and torch imports it on the first call of any custom op (through torch._dynamo). Imported after
+    # init_process_group, it would hold the default group past destroy_process_group, and gloo aborts the process
+    # ("terminate called without an active exception") when interpreter teardown frees the group at last. Imported
+    # here, with serval, before the caller makes a group, it holds None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 __all__ = [
     "Workspace", "ErrorFlags", "get_workspace", "create_workspace", "workspace_by_id", "build_schedule",
     "build_ep_schedule", "gather_routing", "ep_schedule",

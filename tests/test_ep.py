@@ -380,6 +380,31 @@ def test_ep_cpu_without_numpy(tmp_path):
              nprocs=2, join=True)
 
 
+def group_freed_worker(rank, world_size, init_file):
+    """After a layer step at EP, destroy_process_group and serval's exit hook leave no reference to the group: it
+    is freed then, not in interpreter teardown, where gloo aborts the process."""
+    import gc
+    import weakref
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=2))
+    group = weakref.ref(dist.group.WORLD)
+    x, rw, ids, weights, shared, d_y = problem(world_size, "random", N)
+    tokens = slice(rank * N, (rank + 1) * N)
+    experts = slice(rank * E // world_size, (rank + 1) * E // world_size)
+    layer_grads(x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens],
+                group=group(), config=serval.Config(block_m=16, backend="torch"))
+    dist.barrier()
+    dist.destroy_process_group()
+    serval.functional._release_workspaces()  # what the exit hook does
+    gc.collect()
+    assert group() is None, "the process group outlived destroy_process_group"
+
+
+def test_ep_process_group_is_freed_at_destroy(tmp_path):
+    mp.spawn(group_freed_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("scenario", ["num_tokens", "dtype", "ids_dtype", "expert_ids", "expert_ids_deferred"])
 def test_ep_bad_input_is_the_same_error_on_every_rank(scenario, tmp_path):
     mp.spawn(misuse_worker, args=(2, str(tmp_path / "init"), scenario), nprocs=2, join=True)
