@@ -2,6 +2,7 @@
 
     python tools/fuzz_layer.py --seconds 240 --seed 7          # the default device (the H200: the kernels)
     python tools/fuzz_layer.py --ep --seconds 300 --seed 1     # expert parallelism: gloo processes on the CPU
+    TRITON_INTERPRET=1 python tools/fuzz_layer.py --backend triton --seconds 600   # the kernels, interpreted
 
 Each case draws N, H, I, E, k, a routing (random, every token's first slot on one expert, empty experts, all
 tokens on one expert with k = 1), a shared expert or none, a swiglu_limit or none, a precision and one Config
@@ -69,13 +70,14 @@ def draw_case(rng: random.Random, tiny: bool) -> dict:
                 precision=precision, variant=variant, block_m=rng.choice([64, 256]) if variant == "block_m" else 128)
 
 
-def config_of(case: dict, device: str) -> serval.Config:
+def config_of(case: dict, device: str, backend: str = "auto") -> serval.Config:
     block_m = case["block_m"]
     if case["precision"] != "bf16":
         block_m = max(block_m, 128)  # the FP8 recipes' 128-row blocks along tokens
     elif device == "cpu":
         block_m = min(block_m, 16 if case["variant"] != "block_m" else 32)  # the interpreter: small tiles
-    kwargs = dict(precision=case["precision"], block_m=block_m, recompute=case["variant"] == "recompute")
+    kwargs = dict(precision=case["precision"], block_m=block_m, recompute=case["variant"] == "recompute",
+                  backend=backend)
     if case["variant"] == "fused":
         kwargs["kernel_plan"] = KernelPlan(fused_forward=True, fused_backward=True)
     return serval.Config(**kwargs)
@@ -111,9 +113,9 @@ def layer(case: dict, device: str, dtype: torch.dtype, *, config=None, fn=serval
     return [y.detach(), *grads[:5], shared_grads]
 
 
-def check_case(case: dict, device: str) -> str | None:
+def check_case(case: dict, device: str, backend: str = "auto") -> str | None:
     """None if every promise holds, else what broke."""
-    config = config_of(case, device)
+    config = config_of(case, device, backend)
     dtype = torch.float32 if case["variant"] == "fp32" or (device == "cpu" and case["precision"] == "bf16") \
         else torch.bfloat16
     once = case["variant"] == "weights_once"
@@ -194,6 +196,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ep", action="store_true", help="expert parallelism on the CPU (gloo processes)")
     parser.add_argument("--tiny", action="store_true", help="small shapes only (the CPU without --ep)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="Config.backend ('triton' on the CPU: the kernels in the interpreter, TRITON_INTERPRET=1)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.ep else "cpu"
     tiny = args.tiny or args.ep or device == "cpu"
@@ -211,7 +215,7 @@ def main() -> int:
                 case["routing"] = "random"
         count += 1
         try:
-            failure = check_ep_case(case, world_size) if args.ep else check_case(case, device)
+            failure = check_ep_case(case, world_size) if args.ep else check_case(case, device, args.backend)
         except Exception as error:  # noqa: BLE001  (a failure to report, with the case)
             traceback.print_exc()
             failure = f"{type(error).__name__}: {str(error)[:300]}"
