@@ -153,7 +153,7 @@ def fp8_emulation(case: dict, device: str, block_m: int) -> list[torch.Tensor]:
                                          swiglu_limit=case["swiglu_limit"]))
 
 
-def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str) -> None:
+def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str, backend: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -162,7 +162,8 @@ def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str) -
     try:
         dtype = torch.float32 if case["precision"] == "bf16" else torch.bfloat16
         config = serval.Config(precision=case["precision"], block_m=16 if case["precision"] == "bf16" else 128,
-                               recompute=case["variant"] == "recompute", capacity_multiplier=float(world_size))
+                               recompute=case["variant"] == "recompute", capacity_multiplier=float(world_size),
+                               backend=backend)
         per_rank, experts_per_rank = case["num_tokens"] // world_size, case["num_experts"] // world_size
         tokens = slice(rank * per_rank, (rank + 1) * per_rank)
         experts = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
@@ -181,11 +182,12 @@ def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str) -
         f.write(outcome)
 
 
-def check_ep_case(case: dict, world_size: int) -> str | None:
+def check_ep_case(case: dict, world_size: int, backend: str) -> str | None:
     import torch.multiprocessing as mp
 
     folder = tempfile.mkdtemp()
-    mp.spawn(_ep_rank, args=(world_size, f"{folder}/init", case, f"{folder}/out"), nprocs=world_size, join=True)
+    mp.spawn(_ep_rank, args=(world_size, f"{folder}/init", case, f"{folder}/out", backend), nprocs=world_size,
+             join=True)
     outcomes = {open(f"{folder}/out.{rank}").read() for rank in range(world_size)}
     return None if outcomes == {"ok"} else "; ".join(sorted(outcomes - {"ok"}))
 
@@ -215,7 +217,8 @@ def main() -> int:
                 case["routing"] = "random"
         count += 1
         try:
-            failure = check_ep_case(case, world_size) if args.ep else check_case(case, device, args.backend)
+            failure = (check_ep_case(case, world_size, args.backend) if args.ep
+                       else check_case(case, device, args.backend))
         except Exception as error:  # noqa: BLE001  (a failure to report, with the case)
             traceback.print_exc()
             failure = f"{type(error).__name__}: {str(error)[:300]}"
