@@ -197,7 +197,7 @@ def serval_staged_forward(p, topk_ids, workspace, config, clock):
     transport = workspace.transport
     hidden, num_tokens = x.shape[1], x.shape[0]
     marks = [("start", clock())]
-    schedule, _, _ = functional.build_ep_schedule(topk_ids, rw, workspace)
+    schedule, _ = functional.build_ep_schedule(topk_ids, rw, workspace)
     marks.append(("schedule", clock()))
     if ops.pulls_in_gemm:  # the gate/up GEMM's first programs pull its rows from the owners
         _, h = transport.pull_into(lambda source: ops.gate_up_swiglu(
@@ -241,7 +241,7 @@ def stage_clock(device):
 def remote_rows(workspace, topk_ids, router_weights):
     """Rows of this rank's schedule whose token lives on another rank: what dispatch pulls across ranks
     and combine pushes across ranks."""
-    schedule, _, _ = functional.build_ep_schedule(topk_ids, router_weights, workspace)
+    schedule, _ = functional.build_ep_schedule(topk_ids, router_weights, workspace)
     owner = split_source(schedule.row_source, workspace.num_tokens, workspace.top_k)[0]
     return int(((owner >= 0) & (owner != workspace.rank)).sum())
 

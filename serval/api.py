@@ -23,11 +23,8 @@ Validation happens in three places:
   allocated by the first call on that device: run once before capturing a CUDA
   graph); at EP they are the workspace's, and the check covers the ids of every
   rank, so all ranks poison and raise together.
-* EP capacity overflow (the routing sent one rank more rows than its capacity), inside
-  the op, the same way: on CPU or with `debug`, a ValueError at once; on CUDA, without a
-  sync, y, d_x and the experts' weight gradients of that step become NaN (rows past the
-  capacity are dropped, never written out of bounds) and a later call raises the
-  ValueError (`Workspace.check_overflow`).
+There is no EP capacity error: a rank's schedule holds the worst case of any routing, and
+its rows stream through the macrobatch ring (`Config.macrobatch_size`), so no row is dropped.
 A CUDA graph replay runs no Python: errors of replayed steps are reported by the next
 call that runs eagerly.
 """
@@ -239,7 +236,6 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
             router_weights = kept_router_weights = router_weights.masked_fill(bad_ids, float("nan"))
         schedule = build_schedule(topk_ids, num_experts, config.block_m)
     else:
-        workspace.check_overflow()
         _report_earlier_errors(workspace.errors, workspace.ep_size)
         # the group's ids are checked, so that every rank stops (or poisons) together
         all_ids, kept_router_weights = functional.gather_routing(topk_ids, router_weights, workspace)
@@ -247,15 +243,11 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
             check_expert_ids(all_ids, workspace.num_experts, workspace.ep_size)
         else:
             all_ids, bad_ids = _clamp_ids(all_ids, workspace.num_experts)
-        schedule, overflow = functional.ep_schedule(all_ids, workspace)
-        if on_host:  # a host check costs nothing on CPU; debug accepts the sync
-            workspace.check_overflow(overflow)
-        else:  # no sync: this step's y, d_x, weight gradients become NaN; a later call raises
-            workspace.record_overflow(overflow)
+        schedule = functional.ep_schedule(all_ids, workspace)
+        if not on_host:  # no sync: this step's y, d_x, weight gradients become NaN; a later call raises
             workspace.errors.record(ErrorFlags.EXPERT_IDS, bad_ids)
-            poisoned = overflow | bad_ids
-            router_weights = router_weights.masked_fill(poisoned, float("nan"))
-            kept_router_weights = kept_router_weights.masked_fill(poisoned, float("nan"))
+            router_weights = router_weights.masked_fill(bad_ids, float("nan"))
+            kept_router_weights = kept_router_weights.masked_fill(bad_ids, float("nan"))
     y, ctx = functional.forward(x, router_weights, schedule, w_gate, w_up, w_down, shared, config=config,
                                 swiglu_limit=swiglu_limit, workspace=workspace,
                                 all_router_weights=kept_router_weights if workspace is not None else None,
@@ -283,7 +275,9 @@ def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
     recompute = config.recompute
     recipe = precision.recipe_of(config.precision)
     num_packed = min(capacity, ep_size * num_tokens * top_k)
-    gate_up = x.new_empty(_EMPTY) if recompute or recipe else x.new_empty(num_packed, 2 * inter)
+    kept_rows = functional.kept_rows(config, x, w_gate, _shared(ws_gate, ws_up, ws_down), workspace, capacity,
+                                     ep_size * num_tokens * top_k)
+    gate_up = x.new_empty(_EMPTY) if recompute or recipe else x.new_empty(kept_rows, 2 * inter)
     kept_fp8 = [x.new_empty(_EMPTY) for _ in range(_FP8_KEPT)]
     if recipe is not None and not recompute:
         kept_fp8 = precision.kept_like(recipe, num_packed, capacity, inter, x.device)

@@ -46,9 +46,17 @@ class Config:
         the next minibatch's (while that one arrives); None: MoK's rule, two full waves of tiles on the compute
         SMs (`serval.overlap.layer_minibatch_rows`). No effect where nothing is pulled in a GEMM. Never changes
         results.
-    macrobatch_size (tokens per macrobatch, None: the whole batch): a knob of the fused persistent EP kernel
-        with its ring buffer, which is not built: validated, read by nothing (`tools/ep_cost_model.py`).
-    capacity_multiplier: expert-parallel receive capacity, as a multiple of the balanced load.
+    macrobatch_size: at expert parallelism, the size of the macrobatch ring in tokens: the routed rows a rank
+        computes stream through a fixed buffer of macrobatch_size * top_k rows (rounded up to whole block_m
+        tiles), window after window in row order (`serval.schedule.windows`), so a rank that receives more rows
+        than the ring holds takes them in several rounds: nothing is dropped, whatever the routing skew. None:
+        capacity_multiplier x the rank's balanced load, plus its experts' padding. The forward keeps the
+        first window's gate/up pre-activations (all of them under a balanced routing); the backward
+        recomputes the others' from re-pulled rows. On the kernels in bf16; the torch stages and the FP8
+        precisions take every row at once (the worst case: every routed row of the group on this rank).
+        Never changes results: the weight gradients carry each expert's fp32 sums from one window to the next.
+    capacity_multiplier: the macrobatch ring's size when macrobatch_size is None, as a multiple of the
+        balanced load (a rank's own N * top_k rows).
     kernel_plan: the engine and tiles of every GEMM stage on the kernel backend (`serval.plan.KernelPlan`);
         None: `serval.plan.choose_plan` picks them for the shape and the device. Changes speed, not results.
     debug: check the expert ids at once on CUDA too, with a host sync: a ValueError in the call that

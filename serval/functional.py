@@ -12,11 +12,13 @@ Expert parallelism (EP = P ranks, expert e on rank e // E_local): pass the
 workspace of the group (`get_workspace(..., group=pg)`) and the rank's schedule
 from `build_ep_schedule`; the rows a rank computes are then pulled from their
 owners (dispatch) and the results pushed back into the owners' slots (combine),
-and the same for d_y and d_x in backward (see `serval.transport`).
+and the same for d_y and d_x in backward (see `serval.transport`); on the kernels
+in bf16 the rows stream through the macrobatch ring (`serval.macrobatch`).
 
 What is kept for backward (`ForwardContext`): the schedule (int32, O(N*k)) and
 the gate/up pre-activations of the routed experts in packed rows (no padding:
-[N*k, 2I] at EP=1, the rank's capacity at EP) and [N, 2Is] of the shared expert,
+[N*k, 2I] at EP=1; at EP the rank's rows, or the first window's where the pass
+streams through the macrobatch ring) and [N, 2Is] of the shared expert,
 in the input dtype; at EP also the group's router weights
 [P*N, k] fp32. Expert outputs, h = SwiGLU(gate, up) and the gathered tokens are
 NOT kept: backward recomputes h from the pre-activations and regathers (pulls)
@@ -39,7 +41,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import precision, stages
+from . import macrobatch, precision, stages
 from . import schedule as schedule_module
 from .config import Config
 from .schedule import (Schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
@@ -70,7 +72,7 @@ _workspace_ids = itertools.count()
 class ErrorFlags:
     """Errors found on the device by steps that must not sync, reported by a later call.
 
-    A step that finds an error (expert ids out of range, a rank's capacity overflowed) adds its
+    A step that finds an error (expert ids out of range) adds its
     device-side flag to a per-kind counter on the device and copies the counters, non_blocking,
     into pinned host memory; `pending` reads that host copy (no sync) and says whether steps the
     GPU has finished since the last report had an error. Counters, not sticky bits, so that once
@@ -78,7 +80,7 @@ class ErrorFlags:
     On a CPU device the copies are plain (synchronous) ones; the logic is the same.
     """
 
-    CAPACITY, EXPERT_IDS = 0, 1
+    EXPERT_IDS = 0
 
     def __init__(self, device):
         device = torch.device(device)
@@ -87,9 +89,9 @@ class ErrorFlags:
                 f"serval.moe: the error flags of {device} are allocated by the first call on that device, "
                 "which is inside a CUDA graph capture here: run the layer once (eagerly) before capturing")
         self.device = device
-        self.counts = torch.zeros(2, dtype=torch.int64, device=device)
-        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.reported = [0, 0]
+        self.counts = torch.zeros(1, dtype=torch.int64, device=device)
+        self.host = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.reported = [0]
 
     def record(self, kind: int, flag: torch.Tensor) -> None:
         """Count a step's device bool `flag` under `kind` (no sync); a later `pending(kind)` sees it."""
@@ -110,12 +112,14 @@ class ErrorFlags:
 class Workspace:
     """Everything sized once from the problem, never from the routing.
 
-    capacity_rows: rows of this rank's routed buffer (at EP=1 the worst case of any routing;
-    at EP, `Config.capacity_multiplier` times the balanced load plus padding).
+    capacity_rows: rows of this rank's schedule: the worst case of any routing (at EP, every routed row
+    of the group on this rank's experts), so nothing is ever dropped.
+    ring_rows: at EP, the macrobatch ring: the rows one window of a streamed pass computes
+    (`Config.macrobatch_size`; `serval.schedule.windows`); equal to capacity_rows where nothing streams.
     transport: at EP, the peer buffers and the protocol that moves rows (`serval.transport`);
     created collectively, which is why a workspace is created once and cached.
     errors: at EP, the flags of errors that steps found without a host sync (`ErrorFlags`).
-    pull_flags: at EP, the per-M-tile flags (int32, one per 16 rows of capacity: enough for any tile height)
+    pull_flags: at EP, the per-M-tile flags (int32, one per 16 rows of the ring: enough for any tile height)
     and the epoch counter (int32 [1]) of a gate/up GEMM that pulls its own rows (`KernelPlan.pull_programs`,
     `serval.kernels.in_gemm_pull`); allocated here, before any CUDA graph capture, and never reset.
     """
@@ -134,25 +138,11 @@ class Workspace:
     id: int = -1
     errors: ErrorFlags | None = None
     pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None
+    ring_rows: int = 0
 
-    def record_overflow(self, overflow: torch.Tensor) -> None:
-        """Remember a step's device-side overflow flag (no sync); `check_overflow` reports it later."""
-        self.errors.record(ErrorFlags.CAPACITY, overflow)
-
-    def check_overflow(self, overflow: torch.Tensor | None = None) -> None:
-        """ValueError if `overflow` (a host check: a sync on CUDA) or a step that the GPU has finished
-        since the last report overflowed a rank's capacity (no sync; a step still in flight is
-        reported by a later call)."""
-        if overflow is not None:
-            late = ""
-            if not bool(overflow):
-                return
-        elif self.errors is not None and self.errors.pending(ErrorFlags.CAPACITY):
-            late = " in an earlier step (its y, d_x and expert weight gradients are NaN)"
-        else:
-            return
-        raise ValueError(f"serval.moe: the rows routed to one rank's experts exceeded its capacity of "
-                         f"{self.capacity_rows} rows{late}: raise Config.capacity_multiplier")
+    def __post_init__(self):
+        if not self.ring_rows:
+            object.__setattr__(self, "ring_rows", self.capacity_rows)
 
 
 _PROBLEM_FIELDS = ("num_tokens (x.shape[0])", "top_k (topk_ids.shape[1])", "hidden (x.shape[1])",
@@ -225,12 +215,15 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
             from .transport.cpu import SharedMemoryTransport
 
             transport = SharedMemoryTransport(group, num_tokens, top_k, timeout_s=config.peer_timeout_s)
-        capacity = ep_capacity_rows(num_tokens, top_k, ep_size, experts_per_rank, config.block_m,
+        capacity = capacity_rows(ep_size * num_tokens * top_k, experts_per_rank, config.block_m)
+        if config.macrobatch_size is None:  # a balanced routing's rows and padding in one window
+            ring = ep_capacity_rows(num_tokens, top_k, ep_size, experts_per_rank, config.block_m,
                                     config.capacity_multiplier)
+        else:
+            ring = min(capacity, config.block_m * -(-config.macrobatch_size * top_k // config.block_m))
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device, capacity,
                        rank=transport.rank, ep_size=ep_size, transport=transport, id=ident,
-                       errors=ErrorFlags(device),
-                       pull_flags=new_flags(capacity // 16 + 1, device))
+                       errors=ErrorFlags(device), pull_flags=new_flags(ring // 16 + 1, device), ring_rows=ring)
     _WORKSPACES[ident] = ws
     return ws
 
@@ -270,23 +263,21 @@ def gather_routing(topk_ids: torch.Tensor, router_weights: torch.Tensor, workspa
     return transport.all_gather(topk_ids.to(torch.int64)), transport.all_gather(router_weights)
 
 
-def ep_schedule(all_ids: torch.Tensor, workspace: Workspace):
-    """This rank's schedule from the group's expert ids [P*N, k] (in [0, E)): (schedule, overflow)
-    (see `build_ep_schedule`)."""
+def ep_schedule(all_ids: torch.Tensor, workspace: Workspace) -> Schedule:
+    """This rank's schedule from the group's expert ids [P*N, k] (in [0, E)) (see `build_ep_schedule`)."""
     group_schedule = schedule_module.build_schedule(all_ids, workspace.num_experts, workspace.block_m)
-    return local_schedule(group_schedule, workspace.rank, workspace.experts_per_rank, workspace.capacity_rows)
+    # the workspace's capacity is the worst case: no routing overflows it
+    return local_schedule(group_schedule, workspace.rank, workspace.experts_per_rank, workspace.capacity_rows)[0]
 
 
 def build_ep_schedule(topk_ids: torch.Tensor, router_weights: torch.Tensor, workspace: Workspace):
     """This rank's schedule at EP: all-gather the group's routing, build the schedule of the whole
-    group (identical on every rank) and keep this rank's experts' rows.
+    group (identical on every rank) and keep this rank's experts' rows, every one of them.
 
-    Returns (schedule, the group's router weights [P*N, k], overflow: device bool, True when this
-    rank's rows exceeded the workspace's capacity; see `schedule.local_schedule`).
+    Returns (schedule, the group's router weights [P*N, k]).
     """
     all_ids, all_router_weights = gather_routing(topk_ids, router_weights, workspace)
-    schedule, overflow = ep_schedule(all_ids, workspace)
-    return schedule, all_router_weights, overflow
+    return ep_schedule(all_ids, workspace), all_router_weights
 
 
 def build_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int = 128) -> Schedule:
@@ -390,8 +381,7 @@ def _rows_in(ops, tokens, schedule: Schedule, transport):
 def _rows_out(rows, schedule: Schedule, transport):
     """Where each token's k rows are read from for the slot-order sums: (rows, schedule) at EP=1;
     at EP, this rank's slot buffer after every rank pushed its rows into their owners' slots. The group's
-    schedule writes every slot (no zero fill needed; on a capacity overflow the cut rows' slots keep stale
-    values, in a step whose outputs are NaN-flagged anyway), and the caller sums the slots right away,
+    schedule writes every slot (no zero fill needed), and the caller sums the slots right away,
     before the next push can reuse the buffer (no copy needed)."""
     if transport is None:
         return rows, schedule
@@ -471,8 +461,14 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     if shared is not None:
         shared_schedule = shared_schedule or dense_schedule(x.shape[0], schedule.block_m, x.device)
     shared_out = None
-    fused = recipe is None and ops.fuses_forward
-    if fused:
+    streamed = macrobatch.streams(ops, recipe, workspace)
+    fused = recipe is None and ops.fuses_forward and not streamed
+    if streamed:  # the routed rows through the macrobatch ring, window by window; gate_up: the first window's
+        gate_up, token_rows, token_schedule = macrobatch.forward(ops, x, w_gate, w_up, w_down, schedule,
+                                                                 swiglu_limit, workspace)
+        shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
+        kept = None
+    elif fused:
         gate_up, h, token_rows, token_schedule = _fused_experts(ops, x, w_gate, w_up, w_down, schedule,
                                                                 swiglu_limit, workspace)
         shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
@@ -493,7 +489,7 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
     if shared is not None:
         shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
-    if recipe is None and not fused:
+    if recipe is None and not (fused or streamed):
         token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
                                                w_down.shape[1], h.dtype, schedule, transport)
     elif recipe is not None:
@@ -506,16 +502,33 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     return y, ctx
 
 
+def kept_rows(config: Config, x, w_gate, shared, workspace: Workspace | None, capacity: int, num_sources: int) -> int:
+    """Rows of the routed pre-activations a forward keeps, packed (the custom op's fake implementation sizes its
+    outputs with it): a schedule's num_packed (`Schedule.num_packed`), for the whole schedule of `capacity` rows
+    and `num_sources` (token, slot) pairs, or for the first window where the pass streams through the ring."""
+    if macrobatch.streams(select_backend(config, x, w_gate, shared), precision.recipe_of(config.precision),
+                          workspace):
+        capacity = workspace.ring_rows
+    return min(capacity, num_sources)
+
+
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
                               config: Config | None = None, workspace: Workspace | None = None,
                               expert_weights: precision.ExpertWeights | None = None) -> ForwardContext:
-    """Fill in what a `Config(recompute=True)` forward did not keep (from the forward's x and weights)."""
+    """Fill in what a `Config(recompute=True)` forward did not keep (from the forward's x and weights). A pass
+    that streams through the macrobatch ring (`serval.macrobatch`) recomputes the routed experts' pre-activations
+    in its backward, window by window: here only the shared expert's."""
     config = config or Config()
     _check_shared(ctx, shared)
     recipe = precision.recipe_of(config.precision)
     if ctx.gate_up is not None or ctx.kept is not None:
         return ctx
     ops = select_backend(config, x, w_gate, shared)
+    if macrobatch.streams(ops, recipe, workspace):
+        if shared is None or ctx.shared_gate_up is not None:
+            return ctx
+        return dataclasses.replace(ctx, shared_gate_up=_shared_gate_up(ops, x, shared, ctx.shared_schedule,
+                                                                       ctx.swiglu_limit)[0])
     if recipe is None:
         gate_up, _, shared_gate_up, _ = _gate_up(ops, x, w_gate, w_up, shared, ctx.schedule, ctx.shared_schedule,
                                                  ctx.swiglu_limit, workspace)
@@ -629,7 +642,13 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
         made = "bf16" if ctx.kept is None else "an FP8 precision"
         raise ValueError(f"serval.functional.backward: the forward context was made in {made}, not "
                          f"{config.precision}: pass the Config of the forward")
-    if recipe is None:
+    if macrobatch.streams(ops, recipe, workspace):
+        slots, slot_sched, d_rw_rows, d_w_gate, d_w_up, d_w_down = macrobatch.backward(
+            ops, d_y, x, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down, ctx.swiglu_limit,
+            workspace, weight_grads)
+        d_x = ops.sum_slots(slots, slot_sched, shared_d_x)
+        d_router_weights = _router_weight_grad(d_rw_rows, router_weights, ctx.schedule, transport)
+    elif recipe is None:
         d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(
             ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
             ctx.swiglu_limit, workspace, shared_d_x, weight_grads)

@@ -183,6 +183,59 @@ def local_schedule(global_schedule: Schedule, rank: int, experts_per_rank: int,
     return schedule, overflow
 
 
+# Bits of `Window.expert_phase`: how a window's weight-gradient tiles of an expert begin and end.
+CARRY_IN = 1  # the expert has rows before the window: its sums start from the previous window's fp32 carry
+CARRY_OUT = 2  # the expert has rows after the window: its fp32 sums go to the carry, not to the output
+FINISH = 4  # the expert's gradient is complete in this window (its last rows, or it has none): store it
+
+
+@dataclasses.dataclass
+class Window:
+    """Rows [start, start + schedule.capacity) of a schedule, as a schedule of their own (offsets rebased and
+    clamped, `row_source` and `tile_expert` sliced), for a pass that streams the rows through a fixed buffer
+    (the macrobatch ring: `Config.macrobatch_size`). Every tile of a window is the tile of the same rows in
+    the whole schedule, so row-wise results do not depend on the window size; `expert_phase` lets the weight
+    gradients carry an expert's fp32 K sums from one window to the next, ascending, which gives the bits of
+    one pass over all the rows."""
+
+    schedule: Schedule
+    start: int
+    expert_phase: torch.Tensor  # [E] int32: CARRY_IN | CARRY_OUT | FINISH
+
+
+def windows(schedule: Schedule, rows: int) -> list[Window]:
+    """The schedule's rows in windows of `rows` rows (a multiple of block_m; the last may be shorter), in row
+    order. A fixed count, ceil(capacity / rows), known on the host: no sync; a window past the used rows has
+    no tiles (its expert_offsets are all 0 or all its size) and its launches exit at once."""
+    if rows <= 0 or rows % schedule.block_m:
+        raise ValueError(f"window rows must be a positive multiple of block_m={schedule.block_m}, got {rows}")
+    offsets = schedule.expert_offsets.to(torch.int64)
+    begin, end = offsets[:-1], offsets[1:]
+    real_end = begin + schedule.tokens_per_expert.to(torch.int64)  # an expert's source rows come first
+    out = []
+    for start in range(0, max(schedule.capacity, 1), rows):
+        stop = min(start + rows, schedule.capacity)
+        last = stop == schedule.capacity
+        carry_in = (begin < start) & (end > start)
+        carry_out = (begin < stop) & (end > stop)
+        finish = torch.where(end > begin, (end > start) & (end <= stop),
+                             (begin >= start) & ((begin < stop) | (last & (begin == stop))))
+        phase = carry_in.int() * CARRY_IN + carry_out.int() * CARRY_OUT + finish.int() * FINISH
+        local = (offsets - start).clamp(0, stop - start)
+        real = ((real_end.clamp(max=stop) - begin.clamp(min=start)).clamp(min=0)).to(torch.int32)
+        window = Schedule(
+            tokens_per_expert=real,
+            expert_offsets=local.to(torch.int32),
+            row_source=schedule.row_source[start:stop],
+            source_row=schedule.source_row,
+            tile_expert=schedule.tile_expert[start // schedule.block_m:stop // schedule.block_m],
+            num_experts=schedule.num_experts,
+            block_m=schedule.block_m,
+        )
+        out.append(Window(window, start, phase.to(torch.int32)))
+    return out
+
+
 def slot_schedule(num_tokens: int, top_k: int, device) -> Schedule:
     """The schedule of an EP rank's slot buffer [N*k, H] (slot = token * k + slot index): the
     owner's combine and d_x sum read a token's k slots through it, in slot order."""

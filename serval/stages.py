@@ -37,6 +37,7 @@ pulls_in_gemm = False
 pulls_in_dgrad = False
 fuses_forward = False
 fuses_backward = False
+takes_windows = False  # the weight gradients take no windows: an EP pass takes every row at once (serval.macrobatch)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

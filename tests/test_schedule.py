@@ -114,3 +114,42 @@ def test_local_schedules_partition_the_group_schedule():
     tight = ep_capacity_rows(10, 2, world, experts_per_rank, block_m, capacity_multiplier=1.0)
     overflows = [bool(local_schedule(group, rank, experts_per_rank, tight)[1]) for rank in range(world)]
     assert overflows == [True] * world, "every rank must see the overflow, not only the one that overflows"
+
+
+@pytest.mark.parametrize("kind", ["random", "skewed", "empty", "one"])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 100])
+def test_windows_cover_the_schedule(kind, tiles):
+    """`windows`: the rows in order, each window a schedule of its own rows; every expert finishes in exactly one
+    window, and an expert carries its sums in and out exactly across the windows its rows span."""
+    from serval.schedule import CARRY_IN, CARRY_OUT, FINISH, windows
+
+    block_m, num_experts = 16, 6
+    if kind == "one":
+        ids = torch.full((40, 1), 2)
+    else:
+        _, ids = make_routing(40, num_experts, 2, kind="skewed" if kind == "skewed" else "random", seed=3)
+        if kind == "empty":
+            ids = ids % 3 * 2  # experts 1, 3, 5 get nothing
+    s = build_schedule(ids, num_experts, block_m)
+    parts = windows(s, tiles * block_m)
+    assert len(parts) == -(-s.capacity // (tiles * block_m))
+    assert torch.equal(torch.cat([w.schedule.row_source for w in parts]), s.row_source)
+    assert torch.equal(torch.cat([w.schedule.tile_expert for w in parts]), s.tile_expert)
+    offsets = s.expert_offsets.long()
+    finished = torch.zeros(num_experts, dtype=torch.long)
+    for w in parts:
+        local = w.schedule.expert_offsets.long()
+        rows = w.schedule.capacity
+        assert torch.equal(local, (offsets - w.start).clamp(0, rows))
+        phase = w.expert_phase
+        finished += (phase & FINISH != 0).long()
+        for e in range(num_experts):
+            before, after = offsets[e] < w.start < offsets[e + 1], offsets[e] < w.start + rows < offsets[e + 1]
+            assert bool(phase[e] & CARRY_IN) == bool(before) and bool(phase[e] & CARRY_OUT) == bool(after)
+        assert int((phase & CARRY_IN != 0).sum()) <= 1 and int((phase & CARRY_OUT != 0).sum()) <= 1
+        real = w.schedule.row_source >= 0
+        per_expert = [int(real[local[e]:local[e + 1]].sum()) for e in range(num_experts)]
+        assert w.schedule.tokens_per_expert.tolist() == per_expert
+    assert finished.tolist() == [1] * num_experts
+    with pytest.raises(ValueError, match="multiple of block_m"):
+        windows(s, block_m + 1)

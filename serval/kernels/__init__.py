@@ -40,6 +40,9 @@ class KernelStages:
 
     # down and the gate/up dgrad write their rows into the EP owners' slots themselves (`push_to`)
     pushes_from_epilogue = True
+    # the weight gradients carry fp32 sums across windows of rows (`weight_grad.WgradWindow`): at EP a pass
+    # streams its rows through the macrobatch ring (`serval.macrobatch`)
+    takes_windows = True
 
     def __init__(self, plan: KernelPlan):
         self.plan = plan

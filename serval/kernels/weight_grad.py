@@ -34,6 +34,16 @@ One persistent kernel, `_wgrad_kernel`:
 * USE_TMA: tensor descriptors for the A / B tiles and the output tile (Hopper,
   and the Triton >= 3.9 interpreter); otherwise plain pointer loads/stores.
 * UPCAST (interpreter only): fp64 dot products and sums (`_dot`): the interpreter's bf16 dot is wrong.
+* WINDOW (`WgradWindow`): one launch per window of the rows (`serval.schedule.windows`, the macrobatch
+  ring). Per expert, `expert_phase` says how its tiles begin and end: CARRY_IN starts the accumulator from
+  the fp32 carry of the previous window instead of zeros, CARRY_OUT stores the fp32 accumulator to the
+  next carry instead of the output, FINISH stores the output; an expert with neither CARRY_OUT nor FINISH
+  is inactive (sorted after every active expert, its items are never dealt). The carrying experts (at
+  most two) sort first and always run tile by tile, FLATTEN or not: in the flattened loop the carry's
+  fp32 tile would need 128 KB of shared memory (its layout conversion) on top of the pipeline's.
+  K steps start at the expert's first row and windows cut at multiples of block_m (BK divides it), so the
+  window launches run the same steps on the same fp32 accumulator as one launch over all rows: the same
+  bits. WINDOW is a constexpr: without it none of this is compiled in.
 
 Configs come from a fixed table (`pick_config`), never from timing.
 """
@@ -47,11 +57,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import schedule as _schedule
 from ..schedule import Schedule
 from . import common
 from .rows import gather as gather_rows
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the window phase bits (serval.schedule) as kernel constants, and two unions: an expert's tiles store, carry
+_CARRY_IN: tl.constexpr = tl.constexpr(_schedule.CARRY_IN)
+_CARRY_OUT: tl.constexpr = tl.constexpr(_schedule.CARRY_OUT)
+_FINISH: tl.constexpr = tl.constexpr(_schedule.FINISH)
+_STORES: tl.constexpr = tl.constexpr(_schedule.CARRY_OUT | _schedule.FINISH)
+_CARRIES: tl.constexpr = tl.constexpr(_schedule.CARRY_IN | _schedule.CARRY_OUT)
 
 
 # ---------------------------------------------------------------- configs
@@ -111,20 +128,43 @@ def _resolve_block_k(config: WgradConfig, block_m: int) -> WgradConfig:
 # ---------------------------------------------------------------- kernel helpers
 
 @triton.jit
-def _expert_order(offsets_ptr, order_ptr, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """order[s] = the expert of place s when experts are sorted by row count, longest first, ties by id.
+def _window_kind(phase):
+    """Window mode, per expert: 2 if its tiles carry (in or out), 1 if they only store the output, 0 if they store
+    nothing in this window (inactive)."""
+    stores = ((phase & _STORES) != 0).to(tl.int32)
+    return stores + stores * ((phase & _CARRIES) != 0).to(tl.int32)
+
+
+@triton.jit
+def _expert_key(offsets_ptr, phase_ptr, e, E, R, LPT: tl.constexpr, WINDOW: tl.constexpr):
+    """The sort key of experts `e`, larger first: the row count with LPT, else 0; in a window, raised by R + 1 (more
+    than any row count) for a carrying expert, -1 for an inactive one."""
+    if LPT:
+        key = tl.load(offsets_ptr + e + 1, mask=e < E, other=0) - tl.load(offsets_ptr + e, mask=e < E, other=0)
+    else:
+        key = tl.zeros_like(e)
+    if WINDOW:
+        kind = _window_kind(tl.load(phase_ptr + e, mask=e < E, other=0))
+        key = tl.where(kind == 0, -1, key + (kind == 2).to(tl.int32) * (R + 1))
+    return key
+
+
+@triton.jit
+def _expert_order(offsets_ptr, phase_ptr, order_ptr, E, R, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                  LPT: tl.constexpr, WINDOW: tl.constexpr):
+    """order[s] = the expert of place s when experts are sorted by `_expert_key`, largest first, ties by id.
 
     Every program computes the same permutation from `expert_offsets` (an O(E^2) compare, once) and
     writes it to its own scratch row, so a tile's expert is one scalar load. Returns rank = order^-1.
     """
     e = tl.arange(0, E_PAD)
-    rows = tl.load(offsets_ptr + e + 1, mask=e < E, other=0) - tl.load(offsets_ptr + e, mask=e < E, other=0)
+    key = _expert_key(offsets_ptr, phase_ptr, e, E, R, LPT, WINDOW)
     rank = tl.zeros([E_PAD], dtype=tl.int32)
     for c in tl.static_range(0, E_PAD, CHUNK):
         f = c + tl.arange(0, CHUNK)
-        rows_f = tl.load(offsets_ptr + f + 1, mask=f < E, other=0) - tl.load(offsets_ptr + f, mask=f < E, other=0)
-        longer = rows_f[None, :] > rows[:, None]
-        tie_first = (rows_f[None, :] == rows[:, None]) & (f[None, :] < e[:, None])
+        key_f = _expert_key(offsets_ptr, phase_ptr, f, E, R, LPT, WINDOW)
+        longer = key_f[None, :] > key[:, None]
+        tie_first = (key_f[None, :] == key[:, None]) & (f[None, :] < e[:, None])
         ahead = (longer | tie_first) & (f < E)[None, :]
         rank += tl.sum(ahead.to(tl.int32), axis=1)
     tl.store(order_ptr + rank, e, mask=e < E)
@@ -133,12 +173,13 @@ def _expert_order(offsets_ptr, order_ptr, E, E_PAD: tl.constexpr, CHUNK: tl.cons
 
 
 @triton.jit
-def _tile_coords(t, order_ptr, n_p, n_q, LPT: tl.constexpr, NUM_OUT: tl.constexpr, GROUP_P: tl.constexpr):
-    """Work item t -> (expert, output, P-tile, Q-tile); items are expert-major, P-tiles grouped by GROUP_P."""
+def _tile_coords(t, order_ptr, n_p, n_q, ORDERED: tl.constexpr, NUM_OUT: tl.constexpr, GROUP_P: tl.constexpr):
+    """Work item t -> (expert, output, P-tile, Q-tile); items are expert-major (in the scratch row's order when
+    ORDERED), P-tiles grouped by GROUP_P."""
     per_out = n_p * n_q
     slot = t // (NUM_OUT * per_out)
     local = t % (NUM_OUT * per_out)
-    if LPT:
+    if ORDERED:
         expert = tl.load(order_ptr + slot, volatile=True)  # volatile: read what this CTA just wrote, not L1
     else:
         expert = slot
@@ -231,16 +272,51 @@ def _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, c, expert, out, p0, 
 
 
 @triton.jit
+def _carry_ptrs(ptr, out, p0, q0, p_end, Q, P_OUT, stride_c, BP: tl.constexpr, BQ: tl.constexpr):
+    """Pointers of the [BP, BQ] tile at (out * P_OUT + p0, q0) of a [P, Q] carry, and its mask: p < p_end, q < Q."""
+    p = p0 + tl.arange(0, BP)
+    q = q0 + tl.arange(0, BQ)
+    ptrs = ptr + (out * P_OUT + p).to(tl.int64)[:, None] * stride_c + q[None, :]
+    return ptrs, (p < p_end)[:, None] & (q < Q)[None, :]
+
+
+@triton.jit
+def _carry_in(carry_in_ptr, phase, out, p0, q0, P_OUT, Q, stride_c, BP: tl.constexpr, BQ: tl.constexpr):
+    """The tile's initial accumulator: its carry with CARRY_IN, else zeros (a load with every row masked off;
+    the flag goes into the row bound: the interpreter rejects a tensor mask and-ed with a scalar bool)."""
+    p_end = tl.where((phase & _CARRY_IN) != 0, P_OUT, 0)
+    ptrs, mask = _carry_ptrs(carry_in_ptr, out, p0, q0, p_end, Q, P_OUT, stride_c, BP, BQ)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _window_store(out0_desc, out1_desc, out0_ptr, out1_ptr, carry_out_ptr, acc, phase, expert, out, p0, q0,
+                  P_OUT, Q, stride_oe, stride_op, stride_c, NUM_OUT: tl.constexpr, BP: tl.constexpr,
+                  BQ: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr):
+    """A finished tile in window mode: the fp32 accumulator to the carry (CARRY_OUT), or the output (FINISH)."""
+    if (phase & _CARRY_OUT) != 0:
+        ptrs, mask = _carry_ptrs(carry_out_ptr, out, p0, q0, P_OUT, Q, P_OUT, stride_c, BP, BQ)
+        tl.store(ptrs, acc, mask=mask)
+    elif (phase & _FINISH) != 0:
+        _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, common.to_dtype(acc, out0_ptr.dtype.element_ty),
+                      expert, out, p0, q0, P_OUT, Q, stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
+
+
+@triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, offsets_ptr, order_ptr, out0_ptr, out1_ptr,
+    a_ptr, b_ptr, offsets_ptr, order_ptr, out0_ptr, out1_ptr, phase_ptr, carry_in_ptr, carry_out_ptr,
     R, P, Q, P_OUT, E,
-    stride_a, stride_b, stride_oe, stride_op,
+    stride_a, stride_b, stride_oe, stride_op, stride_c,
     BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, GROUP_P: tl.constexpr,
     NUM_OUT: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
-    LPT: tl.constexpr, FLATTEN: tl.constexpr, E_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
+    LPT: tl.constexpr, FLATTEN: tl.constexpr, WINDOW: tl.constexpr, E_PAD: tl.constexpr, NUM_STAGES: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """out[o][e] = A[seg e, o*P_OUT : (o+1)*P_OUT].T @ B[seg e] for every expert e and output o."""
+    """out[o][e] = A[seg e, o*P_OUT : (o+1)*P_OUT].T @ B[seg e] for every expert e and output o.
+
+    WINDOW: phase_ptr [E] int32, carry_in_ptr / carry_out_ptr [P, Q] fp32 (see the module docstring), stride_c
+    their row stride; else all four None.
+    """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     n_p = tl.cdiv(P_OUT, BP)
@@ -263,46 +339,71 @@ def _wgrad_kernel(
                                                   block_shape=[1, BP, OUT_BQ])
 
     e_idx = tl.arange(0, E_PAD)
+    if WINDOW:
+        # carrying experts first, then the ones that only finish; the inactive ones last, never dealt
+        kind = _window_kind(tl.load(phase_ptr + e_idx, mask=e_idx < E, other=0))
+        total = tl.sum((kind > 0).to(tl.int32)) * per_expert
     slot_of_expert = e_idx
     order_ptr += pid * E_PAD
-    if LPT:
-        slot_of_expert = _expert_order(offsets_ptr, order_ptr, E, E_PAD, CHUNK=min(E_PAD, 32))
+    ORDERED: tl.constexpr = LPT or WINDOW
+    if ORDERED:
+        slot_of_expert = _expert_order(offsets_ptr, phase_ptr, order_ptr, E, R, E_PAD, CHUNK=min(E_PAD, 32), LPT=LPT,
+                                       WINDOW=WINDOW)
 
     # Items are dealt round by round; with LPT the rounds alternate direction (snake), so the longest
     # tiles, which come first, go one per program. Position in round r, and this program's item count,
     # are computed branch-free: a runtime `if` in the outer loop stopped Triton from pipelining the
     # inner loop's pointer loads (seen in the sm_90 TTGIR).
+    # The tile-by-tile loop takes the first `tile_items` items: all of them, or with FLATTEN those of a window's
+    # carrying experts (flattened, the carry's fp32 tile would need shared memory the pipelined loop holds).
     snake = 1 if LPT else 0
-    full_rounds = total // num_programs
+    tile_items = total
+    if FLATTEN and WINDOW:
+        tile_items = tl.sum((kind == 2).to(tl.int32)) * per_expert
+    full_rounds = tile_items // num_programs
     last_pos = pid + snake * (full_rounds % 2) * (num_programs - 1 - 2 * pid)
-    my_rounds = full_rounds + (last_pos < total % num_programs).to(tl.int32)
+    my_rounds = full_rounds + (last_pos < tile_items % num_programs).to(tl.int32)
 
-    if not FLATTEN:
+    if not FLATTEN or WINDOW:
         # one tile at a time: the K loop is software-pipelined, the tile switch is a bubble
         for r in range(0, my_rounds):
             pos = pid + snake * (r % 2) * (num_programs - 1 - 2 * pid)
-            expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, order_ptr, n_p, n_q, LPT, NUM_OUT, GROUP_P)
+            expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, order_ptr, n_p, n_q, ORDERED, NUM_OUT,
+                                                     GROUP_P)
             p0 = pid_p * BP
             q0 = pid_q * BQ
             row_begin = tl.load(offsets_ptr + expert)
             row_end = tl.load(offsets_ptr + expert + 1)
 
             # the reduction over the expert's rows, ascending: one fixed order, one program per tile
-            acc = tl.zeros([BP, BQ], dtype=tl.float32)
+            if WINDOW:
+                phase = tl.load(phase_ptr + expert)
+                acc = _carry_in(carry_in_ptr, phase, out, p0, q0, P_OUT, Q, stride_c, BP, BQ)
+            else:
+                acc = tl.zeros([BP, BQ], dtype=tl.float32)
             for row in tl.range(row_begin, row_end, BK, num_stages=NUM_STAGES):
                 a = _load_a(a_desc, a_ptr, row, out * P_OUT + p0, R, P, stride_a, BK, BP, USE_TMA)
                 b = _load_b(b_desc, b_ptr, row, q0, Q, stride_b, BK, BQ, USE_TMA)
                 acc = _dot(a, b, acc, UPCAST, PRECISION)
-            _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr, common.to_dtype(acc, out0_ptr.dtype.element_ty),
-                          expert, out, p0, q0, P_OUT, Q, stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
-    else:
-        # All K steps of all this program's tiles in one pipelined loop, so the next tile's first loads are
-        # in flight while the current tile finishes. An empty expert takes one step (on rows 0.., whatever
+            if WINDOW:
+                _window_store(out0_desc, out1_desc, out0_ptr, out1_ptr, carry_out_ptr, acc, phase, expert, out, p0, q0,
+                              P_OUT, Q, stride_oe, stride_op, stride_c, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
+            else:
+                _store_output(out0_desc, out1_desc, out0_ptr, out1_ptr,
+                              common.to_dtype(acc, out0_ptr.dtype.element_ty), expert, out, p0, q0, P_OUT, Q,
+                              stride_oe, stride_op, NUM_OUT, BP, BQ, USE_TMA, SUBTILE)
+    if FLATTEN:
+        # All K steps of all this program's (remaining) tiles in one pipelined loop, so the next tile's first loads
+        # are in flight while the current tile finishes. An empty expert takes one step (on rows 0.., whatever
         # they hold) whose accumulator is replaced by zeros. Step count: per expert, max(steps, 1) times
-        # the number of this program's items in its slot (two arithmetic progressions with the snake).
+        # the number of this program's items in its slot (two arithmetic progressions with the snake); in a
+        # window only the experts that just finish count (kind 1): the carrying ones went tile by tile, and the
+        # inactive ones' items, last in every program's list, are never reached.
         lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
         hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
         steps = tl.maximum((hi - lo) // BK, 1)
+        if WINDOW:
+            steps = tl.where(kind == 1, steps, 0)
         first_item = slot_of_expert * per_expert
         if LPT:
             mine = (_count_progression(first_item, first_item + per_expert, pid, 2 * num_programs)
@@ -314,6 +415,8 @@ def _wgrad_kernel(
 
         acc = tl.zeros([BP, BQ], dtype=tl.float32)
         r = -1
+        if WINDOW:
+            r = my_rounds - 1
         kk = 0
         n_k = 0
         row_base = 0
@@ -326,8 +429,8 @@ def _wgrad_kernel(
             if kk == 0:  # next tile: scalars only
                 r += 1
                 pos = pid + snake * (r % 2) * (num_programs - 1 - 2 * pid)
-                expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, order_ptr, n_p, n_q, LPT, NUM_OUT,
-                                                         GROUP_P)
+                expert, out, pid_p, pid_q = _tile_coords(r * num_programs + pos, order_ptr, n_p, n_q, ORDERED,
+                                                         NUM_OUT, GROUP_P)
                 p0 = pid_p * BP
                 q0 = pid_q * BQ
                 row_begin = tl.load(offsets_ptr + expert)
@@ -350,6 +453,52 @@ def _wgrad_kernel(
 
 # ---------------------------------------------------------------- host side
 
+@dataclasses.dataclass(frozen=True)
+class WgradWindow:
+    """One window's launch of `grouped_wgrad` (see `serval.schedule.windows`; the schedule passed is the window's).
+
+    A caller loops over the windows in row order with the same `outs`, swapping the carries each time
+    (window j: carry_in = buf[j % 2], carry_out = buf[(j + 1) % 2]), and reads `outs` after the last window.
+    At most one expert per window has CARRY_IN and one CARRY_OUT (possibly the same one): the carries hold one
+    expert's sums, and they are separate buffers because the CARRY_OUT expert's tiles may be written while
+    another program still reads the CARRY_IN expert's.
+    """
+
+    expert_phase: torch.Tensor  # [E] int32: serval.schedule.CARRY_IN | CARRY_OUT | FINISH
+    carry_in: torch.Tensor  # [P, Q] fp32 (row out * P_OUT + p), read for the CARRY_IN expert
+    carry_out: torch.Tensor  # [P, Q] fp32, written for the CARRY_OUT expert
+    outs: tuple[torch.Tensor, ...]  # num_outputs contiguous [E, P_OUT, Q] in a's dtype, written for FINISH experts
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the storage spans of two contiguous tensors intersect."""
+    x0, y0 = x.data_ptr(), y.data_ptr()
+    return x0 < y0 + y.numel() * y.element_size() and y0 < x0 + x.numel() * x.element_size()
+
+
+def _check_window(window: WgradWindow, a: torch.Tensor, E: int, P: int, Q: int, num_outputs: int) -> None:
+    """ValueError unless `window` fits a launch with these operands (the kernel trusts every shape)."""
+    tensors = (window.expert_phase, window.carry_in, window.carry_out, *window.outs)
+    if any(t.device != a.device for t in tensors):
+        raise ValueError(f"window tensors must be on {a.device}, got {[str(t.device) for t in tensors]}")
+    if window.expert_phase.shape != (E,) or window.expert_phase.dtype != torch.int32:
+        raise ValueError(f"window.expert_phase must be [{E}] int32, got {list(window.expert_phase.shape)} "
+                         f"{window.expert_phase.dtype}")
+    for name in ("carry_in", "carry_out"):
+        carry = getattr(window, name)
+        if carry.shape != (P, Q) or carry.dtype != torch.float32 or not carry.is_contiguous():
+            raise ValueError(f"window.{name} must be a contiguous [{P}, {Q}] fp32 tensor, got "
+                             f"{list(carry.shape)} {carry.dtype}{'' if carry.is_contiguous() else ' (strided)'}")
+    if _overlap(window.carry_in, window.carry_out):
+        raise ValueError("window.carry_in and window.carry_out must be separate buffers")
+    if len(window.outs) != num_outputs:
+        raise ValueError(f"window.outs has {len(window.outs)} tensors, expected num_outputs={num_outputs}")
+    for out in window.outs:
+        if out.shape != (E, P // num_outputs, Q) or out.dtype != a.dtype or not out.is_contiguous():
+            raise ValueError(f"window.outs must be contiguous [{E}, {P // num_outputs}, {Q}] {a.dtype} tensors, "
+                             f"got {list(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (strided)'}")
+
+
 def _tma_ok(*tensors) -> bool:
     """TMA needs a 16-byte aligned base, 16-byte multiple outer strides and a unit inner stride."""
     for t in tensors:
@@ -368,12 +517,15 @@ def grouped_wgrad(
     use_tma: bool | None = None,
     lpt: bool = True,
     flatten: bool | None = None,
+    window: WgradWindow | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The kernel's entry point: `num_outputs` tensors [E, P / num_outputs, Q] in a's dtype.
 
     a [R, P], b [R, Q]: routed rows (R = schedule.capacity), one dtype (bf16, fp16 or fp32). `config` (a WgradConfig or a CONFIGS
     name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
     plain expert order. None of these change the result.
+    `window`: one window of the rows (schedule and a, b are the window's); returns `window.outs`, where only
+    the window's FINISH experts are written.
     """
     if a.dtype not in _DTYPES or b.dtype != a.dtype:
         raise TypeError(f"weight_grad kernel takes bf16/fp16/fp32 a and b of one dtype, got {a.dtype}, {b.dtype}")
@@ -398,7 +550,11 @@ def grouped_wgrad(
         config = CONFIGS[config]
     config = _resolve_block_k(config, schedule.block_m)
 
-    outs = tuple(common.empty((E, P_out, Q), a.dtype, a.device) for _ in range(num_outputs))
+    if window is None:
+        outs = tuple(common.empty((E, P_out, Q), a.dtype, a.device) for _ in range(num_outputs))
+    else:
+        _check_window(window, a, E, P, Q, num_outputs)
+        outs = window.outs
     if use_tma is None:
         use_tma = common.supports_tma() and a.is_cuda
     use_tma = use_tma and _tma_ok(a, b, *outs)
@@ -408,17 +564,20 @@ def grouped_wgrad(
     n_tiles = E * num_outputs * common.cdiv(P_out, config.block_p) * common.cdiv(Q, config.block_q)
     grid = (min(n_tiles, common.num_sms(a.device.index if a.is_cuda else None)),)
     e_pad = triton.next_power_of_2(E)
-    # per-program scratch row for the expert order (LPT); never read before the same program writes it
-    order = torch.empty(grid[0] * e_pad if lpt else 1, dtype=torch.int32, device=a.device)
+    # per-program scratch row for the expert order (LPT or window); never read before the same program writes it
+    order = torch.empty(grid[0] * e_pad if lpt or window is not None else 1, dtype=torch.int32, device=a.device)
     if flatten is None:
         flatten = config.flatten
+    phase, carry_in, carry_out, stride_c = (None,) * 4 if window is None else (
+        window.expert_phase, window.carry_in, window.carry_out, window.carry_in.stride(0))
     _wgrad_kernel[grid](
-        a, b, schedule.expert_offsets, order, outs[0], outs[-1],
+        a, b, schedule.expert_offsets, order, outs[0], outs[-1], phase, carry_in, carry_out,
         R, P, Q, P_out, E,
-        a.stride(0), b.stride(0), outs[0].stride(0), outs[0].stride(1),
+        a.stride(0), b.stride(0), outs[0].stride(0), outs[0].stride(1), stride_c,
         BP=config.block_p, BQ=config.block_q, BK=config.block_k, GROUP_P=config.group_p,
         NUM_OUT=num_outputs, USE_TMA=use_tma, SUBTILE=config.epilogue_subtile and use_tma,
-        LPT=lpt, FLATTEN=flatten, E_PAD=e_pad, NUM_STAGES=config.num_stages, UPCAST=common.INTERPRET,
+        LPT=lpt, FLATTEN=flatten, WINDOW=window is not None, E_PAD=e_pad, NUM_STAGES=config.num_stages,
+        UPCAST=common.INTERPRET,
         # fp32 inputs (tests) get true fp32 products; 16-bit inputs ignore it on the GPU
         PRECISION="ieee" if a.dtype == torch.float32 or common.INTERPRET else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -429,21 +588,24 @@ def grouped_wgrad(
 # ---------------------------------------------------------------- the stages (same signatures as serval.stages)
 
 def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Schedule, *, x_rows=None,
-                        config=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        config=None, window: WgradWindow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg]; d_gate_up [R, 2I], x [N, H].
 
     x_rows [R, H]: the rows already gathered (at EP: pulled); otherwise x is regathered by the row kernel
     (a gather pass and TMA reads of its rows run faster than gathering with pointer loads in this kernel).
+    `window`: one window of the rows (see `grouped_wgrad`); returns window.outs (gate, up).
     """
     x_rows = gather_rows(x, schedule) if x_rows is None else x_rows
-    return grouped_wgrad(d_gate_up, x_rows, schedule, num_outputs=2, config=config)
+    return grouped_wgrad(d_gate_up, x_rows, schedule, num_outputs=2, config=config, window=window)
 
 
-def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule: Schedule, *, config=None) -> torch.Tensor:
+def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule: Schedule, *, config=None,
+                     window: WgradWindow | None = None) -> torch.Tensor:
     """d_w_down [E, H, I] = d_y_rows[seg].T @ h_weighted[seg]; d_y_rows [R, H], h_weighted [R, I].
 
     Where the table picks 128x256, this gradient takes the 4-stage split-store variant, the faster one for it.
+    `window`: one window of the rows (see `grouped_wgrad`); returns window.outs[0].
     """
     if config is None and pick_config(d_y_rows.shape[1], h_weighted.shape[1], schedule.block_m) is CONFIGS["128x256"]:
         config = "128x256s"
-    return grouped_wgrad(d_y_rows, h_weighted, schedule, config=config)[0]
+    return grouped_wgrad(d_y_rows, h_weighted, schedule, config=config, window=window)[0]

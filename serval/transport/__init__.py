@@ -65,9 +65,11 @@ class Transport(Protocol):
         the same [C, dtype] (every rank's next push starts with a barrier that waits for work queued before
         it, so a consumer queued first is safe)."""
 
-    def pull_into(self, consume: Callable[[PeerTokens], object], tokens: torch.Tensor):
+    def pull_into(self, consume: Callable[[PeerTokens], object], tokens: torch.Tensor, *, role: str = "tokens"):
         """pull for a consumer that reads the rows itself: once every owner's tokens [N, C] are in its
-        buffer, returns consume(PeerTokens); the buffers stay untouched until every rank's consumer is done."""
+        buffer, returns consume(PeerTokens); the buffers stay untouched until every rank's consumer is done.
+        role: which token buffers: two pulls of the same shape that are open at once (one consumer inside the
+        other's) need different roles."""
 
     def push_from(self, write: Callable[[PeerSlots], None], cols: int, dtype: torch.dtype) -> torch.Tensor:
         """push(complete=True, copy=False) for a producer that writes the rows itself: once every owner is

@@ -104,10 +104,10 @@ class SharedMemoryTransport:
 
         return self.pull_into(read, tokens)
 
-    def pull_into(self, consume, tokens: torch.Tensor):
+    def pull_into(self, consume, tokens: torch.Tensor, *, role: str = "tokens"):
         """See `serval.transport.Transport.pull_into`; the table holds this process's mappings of the peers'
         buffers (Triton kernels read through them under TRITON_INTERPRET=1)."""
-        buffers = self._peer_buffers("tokens", self.num_tokens, tokens.shape[1], tokens.dtype)
+        buffers = self._peer_buffers(role, self.num_tokens, tokens.shape[1], tokens.dtype)
         buffers[self.rank].copy_(tokens)
         self._barrier()  # every rank's tokens are in place
         table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)

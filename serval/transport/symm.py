@@ -121,12 +121,16 @@ def vector_aligned(addresses, cols: int, element_size: int) -> bool:
 
 
 def pull_rows(table: torch.Tensor, row_source: torch.Tensor, num_tokens: int, top_k: int, cols: int,
-              dtype: torch.dtype, *, aligned: bool) -> torch.Tensor:
+              dtype: torch.dtype, *, aligned: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """rows [R, cols]: row r = token row token(r) of rank owner(r)'s buffer [num_tokens, cols] at
-    table[owner] (zeros where row_source is -1). One launch; the buffers must be stable meanwhile."""
+    table[owner] (zeros where row_source is -1). One launch; the buffers must be stable meanwhile.
+    out: a contiguous [R, cols] buffer of `dtype` to pull into (a ring reused across calls)."""
     row_source = row_source.contiguous()
     num_rows = row_source.shape[0]
-    rows = common.empty((num_rows, cols), dtype, row_source.device)
+    if out is not None and (tuple(out.shape) != (num_rows, cols) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"pull_rows: out must be a contiguous [{num_rows}, {cols}] {dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    rows = common.empty((num_rows, cols), dtype, row_source.device) if out is None else out
     block_r, block_c = _blocks(cols)
     grid = (common.cdiv(num_rows, block_r), common.cdiv(cols, block_c))
     if num_rows and cols:
@@ -252,12 +256,12 @@ class SymmetricMemoryTransport:
         return self.pull_into(lambda source: pull_rows(source.table, row_source, source.num_tokens, source.top_k,
                                                        source.cols, source.dtype, aligned=source.aligned), tokens)
 
-    def pull_into(self, consume, tokens: torch.Tensor):
+    def pull_into(self, consume, tokens: torch.Tensor, *, role: str = "tokens"):
         """See `serval.transport.Transport.pull_into`: consume(PeerTokens) runs between the two barriers."""
         num_tokens, cols = tokens.shape
         if num_tokens != self.num_tokens:
             raise ValueError(f"pull: tokens has {num_tokens} rows, the transport was built for N = {self.num_tokens}")
-        buffer = self._buffer("tokens", num_tokens, cols, tokens.dtype)
+        buffer = self._buffer(role, num_tokens, cols, tokens.dtype)
         buffer.local.copy_(tokens.detach())
         self._barrier(buffer)  # every owner's tokens are in place
         result = consume(PeerTokens(buffer.table, num_tokens, self.top_k, cols, tokens.dtype, buffer.aligned))

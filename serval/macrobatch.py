@@ -1,0 +1,145 @@
+"""The macrobatch ring: an expert-parallel pass's routed experts streamed through a fixed buffer, window by window.
+
+At expert parallelism a rank computes every routed row the group sends to its experts, however skewed the
+routing: its schedule holds the worst case (`Workspace.capacity_rows`: every routed row of the group), and
+its rows go through the kernels in windows of `Workspace.ring_rows` rows (`Config.macrobatch_size`,
+`serval.schedule.windows`), in row order. A window pulls its rows from their owners into one ring buffer,
+runs the expert GEMMs on them and pushes its outputs into the owners' slots, all inside one pull phase and
+one push phase of the transport. A window past the used rows has no tiles, so its launches exit at once:
+the host launches the fixed worst-case number of windows and never syncs.
+
+Results are those of one pass over all the rows, bit for bit: each window's tiles are the same tiles, and
+the weight gradients carry each expert's fp32 K sums from one window to the next, in ascending row order
+(`serval.kernels.weight_grad.WgradWindow`; two carry buffers, used in turn).
+
+Memory: the [ring_rows, *] buffers of one window, the weight gradients' carries (fp32, two [2I, H] and two
+[H, I]) and, kept from the forward for the backward, the first window's gate/up pre-activations (every row
+under a routing that fits the ring); the backward recomputes the other windows' from re-pulled x rows.
+
+Runs on the kernel stages (`serval.kernels.KernelStages`), bf16; `serval.functional` calls it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .peers import PeerTokens
+from .schedule import Schedule, Window, slot_schedule, windows
+
+
+def streams(ops, recipe, workspace) -> bool:
+    """Whether a pass streams its routed rows through the ring: at EP, in bf16, on stages whose weight
+    gradients take windows, when the ring holds fewer rows than the worst case."""
+    return (recipe is None and workspace is not None and workspace.transport is not None
+            and getattr(ops, "takes_windows", False) and workspace.ring_rows < workspace.capacity_rows)
+
+
+def _pull(source: PeerTokens, row_source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The rows row_source names, from the owners' token buffers, into `out` (a slice of the ring)."""
+    from .transport.symm import pull_rows  # the Triton pull kernel (the interpreter's too, on CPU tables)
+
+    return pull_rows(source.table, row_source, source.num_tokens, source.top_k, source.cols, source.dtype,
+                     aligned=source.aligned, out=out)
+
+
+def _ring(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
+
+
+def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace):
+    """The routed experts of a forward at EP, streamed.
+
+    x [N, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]; schedule: the rank's (worst-case capacity).
+    Returns (gate_up [window 0's num_packed, 2I]: the first window's pre-activations, this rank's slots
+    [N*k, H] of o once every rank has pushed, their slot schedule)."""
+    transport = workspace.transport
+    parts = windows(schedule, workspace.ring_rows)
+    x_ring = _ring(parts[0].schedule.capacity, x.shape[1], x)
+    first = []
+
+    def write(target):
+        def consume(source):
+            for window in parts:
+                s = window.schedule
+                if ops.fuses_forward:  # pull, both GEMMs and push in one launch
+                    gate_up, _, _ = ops.gate_up_down(x, w_gate, w_up, w_down, s, swiglu_limit, pull_from=source,
+                                                     pull_flags=workspace.pull_flags, push_to=target)
+                else:
+                    if ops.pulls_in_gemm:
+                        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, pull_from=source,
+                                                        pull_flags=workspace.pull_flags)
+                    else:
+                        x_rows = _pull(source, s.row_source, x_ring[: s.capacity])
+                        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, a_rows=x_rows)
+                    ops.down(h, w_down, s, push_to=target)
+                if not first:
+                    first.append(gate_up)
+        transport.pull_into(consume, x)
+
+    slots = transport.push_from(write, w_down.shape[1], x.dtype)
+    return first[0], slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)
+
+
+def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.Tensor, ...]):
+    """The weight gradient's window arguments: window `index` reads carry index % 2 and writes the other."""
+    from .kernels.weight_grad import WgradWindow
+
+    return WgradWindow(window.expert_phase, carries[index % 2], carries[(index + 1) % 2], outs)
+
+
+def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first, w_gate, w_up, w_down,
+             swiglu_limit, workspace, weight_grads: bool):
+    """The routed experts of a backward at EP, streamed (the forward's windows, in the same order).
+
+    d_y, x [N, H]; row_router_weights: the group's [P*N, k]; gate_up_first: the forward's first window's
+    pre-activations, or None (recomputed, as every later window's are). Returns (this rank's slots [N*k, H] of
+    d_x once every rank has pushed, their slot schedule, d_rw_rows fp32 [capacity], d_w_gate, d_w_up,
+    d_w_down; the weight gradients None without weight_grads)."""
+    transport = workspace.transport
+    parts = windows(schedule, workspace.ring_rows)
+    num_experts, inter, hidden = w_gate.shape
+    ring_rows = parts[0].schedule.capacity
+    x_ring, d_y_ring = _ring(ring_rows, hidden, x), _ring(ring_rows, hidden, d_y)
+    d_rw_rows = torch.empty(schedule.capacity, dtype=torch.float32, device=x.device)
+    d_w_gate = d_w_up = d_w_down = None
+    if weight_grads:
+        d_w_gate, d_w_up = (torch.empty(num_experts, inter, hidden, dtype=x.dtype, device=x.device) for _ in "gu")
+        d_w_down = torch.empty(num_experts, hidden, inter, dtype=x.dtype, device=x.device)
+        carry_gate_up = torch.empty(2, 2 * inter, hidden, dtype=torch.float32, device=x.device)
+        carry_down = torch.empty(2, hidden, inter, dtype=torch.float32, device=x.device)
+
+    def step(index: int, window: Window, d_y_source: PeerTokens, x_source: PeerTokens, target):
+        s = window.schedule
+        x_rows = _pull(x_source, s.row_source, x_ring[: s.capacity])
+        gate_up = gate_up_first
+        if index or gate_up is None:
+            gate_up, _ = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, a_rows=x_rows)
+        d_y_rows = d_y_ring[: s.capacity]
+        pull = dict(pull_from=d_y_source, pull_flags=workspace.pull_flags)
+        if ops.fuses_backward:  # pull of d_y, both dgrads and push of d_x in one launch
+            d_gate_up, h_weighted, d_rw, _ = ops.down_dgrad_gate_up_dgrad(
+                d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, s, swiglu_limit, push_to=target, **pull)
+        else:
+            if not ops.pulls_in_dgrad:
+                _pull(d_y_source, s.row_source, d_y_rows)
+                pull = {}
+            d_gate_up, h_weighted, d_rw = ops.down_dgrad_swiglu(d_y_rows, w_down, gate_up, row_router_weights, s,
+                                                                swiglu_limit, **pull)
+            ops.gate_up_dgrad(d_gate_up, w_gate, w_up, s, push_to=target)
+        d_rw_rows[window.start: window.start + s.capacity] = d_rw
+        if weight_grads:
+            ops.down_weight_grad(d_y_rows, h_weighted, s, window=_carry(window, index, carry_down, (d_w_down,)))
+            ops.gate_up_weight_grad(d_gate_up, x, s, x_rows=x_rows,
+                                    window=_carry(window, index, carry_gate_up, (d_w_gate, d_w_up)))
+
+    def write(target):
+        def with_d_y(d_y_source):
+            def with_x(x_source):
+                for index, window in enumerate(parts):
+                    step(index, window, d_y_source, x_source, target)
+            transport.pull_into(with_x, x, role="x")  # x and d_y are published at once: two token buffers
+        transport.pull_into(with_d_y, d_y)
+
+    slots = transport.push_from(write, hidden, d_y.dtype)
+    return (slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), d_rw_rows,
+            d_w_gate, d_w_up, d_w_down)
