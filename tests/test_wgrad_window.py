@@ -16,6 +16,7 @@ from serval.kernels import common
 from serval.schedule import CARRY_IN, CARRY_OUT, FINISH, build_schedule, windows
 
 wg = pytest.importorskip("serval.kernels.weight_grad")
+from test_kernels_wgrad import _routing  # noqa: E402  (the routings of the one-pass tests)
 
 ON_GPU = torch.cuda.is_available() and not common.INTERPRET
 if not (ON_GPU or common.INTERPRET):
@@ -24,20 +25,6 @@ if not (ON_GPU or common.INTERPRET):
 DEVICE = "cuda" if ON_GPU else "cpu"
 BLOCK_M = 128 if ON_GPU else 16
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
-
-
-def _routing(kind: str, n: int, k: int, e: int, gen: torch.Generator) -> torch.Tensor:
-    if kind == "random":  # k distinct experts per token, uniformly
-        return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
-    if kind == "empty":  # only the odd experts get tokens
-        used = torch.arange(1, e, 2)
-        return torch.stack([used[torch.randperm(len(used), generator=gen)[:k]] for _ in range(n)])
-    if kind == "one_expert":  # every token on expert e-2 (k must be 1)
-        return torch.full((n, k), e - 2)
-    if kind == "skewed":  # Zipf-like: expert j drawn with weight 1/(j+1)
-        probs = 1.0 / torch.arange(1, e + 1, dtype=torch.float64)
-        return torch.stack([torch.multinomial(probs, k, replacement=False, generator=gen) for _ in range(n)])
-    raise ValueError(kind)
 
 
 def _case(kind, n, k, e, p, q, dtype, block_m, seed=0):
