@@ -421,25 +421,27 @@ def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_lim
     return (gate_up, h, *_shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit))
 
 
-def _fused_experts(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace):
+def _fused_experts(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None):
     """gate_up, h and the combine's (rows, schedule) of the routed experts from one launch (`gate_up_down`,
-    KernelPlan.fused_forward). At EP its programs pull x's rows from the owners, compute, and push o's rows
-    into the owners' slots: the launch runs inside both transport phases (slots free, tokens published)."""
+    KernelPlan.fused_forward), and the shared expert's outputs made in it (`gate_up_down`'s shared_out; None
+    without `shared`). At EP its programs pull x's rows from the owners, compute, and push o's rows into the
+    owners' slots: the launch runs inside both transport phases (slots free, tokens published)."""
     transport = _transport(workspace)
     if transport is None:
-        gate_up, h, o = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit)
-        return gate_up, h, o, schedule
+        gate_up, h, o, shared_out = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit, shared=shared)
+        return gate_up, h, o, schedule, shared_out
     made = {}
 
     def write(target):
         def consume(source):
-            made["gate_up"], made["h"], _ = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit,
-                                                             pull_from=source, pull_flags=workspace.pull_flags,
-                                                             push_to=target)
+            made["gate_up"], made["h"], _, made["shared"] = ops.gate_up_down(
+                x, w_gate, w_up, w_down, schedule, swiglu_limit, pull_from=source, pull_flags=workspace.pull_flags,
+                push_to=target, shared=shared)
         transport.pull_into(consume, x)
 
     slots = transport.push_from(write, w_down.shape[1], x.dtype)
-    return made["gate_up"], made["h"], slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)
+    return (made["gate_up"], made["h"], slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device),
+            made["shared"])
 
 
 def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=None, *,
@@ -463,15 +465,17 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     shared_out = None
     streamed = macrobatch.streams(ops, recipe, workspace)
     fused = recipe is None and ops.fuses_forward and not streamed
+    # in a fused launch the shared expert's tiles join the routed ones (first: they need no pulled rows)
+    fused_shared = None
+    if shared is not None and recipe is None and ops.fuses_forward:
+        fused_shared = (*_shared_weights(shared), shared_schedule)
     if streamed:  # the routed rows through the macrobatch ring, window by window; gate_up: the first window's
-        gate_up, token_rows, token_schedule = macrobatch.forward(ops, x, w_gate, w_up, w_down, schedule,
-                                                                 swiglu_limit, workspace)
-        shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
+        gate_up, token_rows, token_schedule, shared_made = macrobatch.forward(
+            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
         kept = None
     elif fused:
-        gate_up, h, token_rows, token_schedule = _fused_experts(ops, x, w_gate, w_up, w_down, schedule,
-                                                                swiglu_limit, workspace)
-        shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
+        gate_up, h, token_rows, token_schedule, shared_made = _fused_experts(
+            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
         kept = None
     elif recipe is None:
         gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
@@ -487,8 +491,15 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
                                       expert_weights)
         gate_up = None
         shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
+    shared_o = None  # [Rs, H]
+    if (streamed or fused) and shared_made is not None:  # the shared expert's outputs from the fused launch
+        shared_gate_up, _, shared_o = shared_made
+    elif streamed or fused:
+        shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
     if shared is not None:
-        shared_out = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)[: x.shape[0]]
+        if shared_o is None:
+            shared_o = ops.down(shared_h, _shared_weights(shared)[2], shared_schedule)
+        shared_out = shared_o[: x.shape[0]]
     if recipe is None and not (fused or streamed):
         token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
                                                w_down.shape[1], h.dtype, schedule, transport)
@@ -549,37 +560,57 @@ def _check_shared(ctx: ForwardContext, shared) -> None:
 
 
 def _fused_dgrads(ops, d_y, row_router_weights, schedule: Schedule, gate_up, w_gate, w_up, w_down, swiglu_limit,
-                  workspace):
-    """(d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x rows, their schedule)) from one launch
-    (`down_dgrad_gate_up_dgrad`, KernelPlan.fused_backward). At EP its programs pull d_y's rows from the owners
-    into d_y_rows (which the down weight gradient reads next), compute, and push d_x's rows into the owners'
-    slots: the launch runs inside both transport phases (slots free, tokens published)."""
+                  workspace, shared=None):
+    """(d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x rows, their schedule), shared_made) from one launch
+    (`down_dgrad_gate_up_dgrad`, KernelPlan.fused_backward; shared_made: the shared expert's dgrads from the same
+    launch, its `shared_out`, None without `shared`). At EP its programs pull d_y's rows from the owners into
+    d_y_rows (which the down weight gradient reads next), compute, and push d_x's rows into the owners' slots:
+    the launch runs inside both transport phases (slots free, tokens published)."""
     transport = _transport(workspace)
     if transport is None:
         d_y_rows = ops.gather(d_y, schedule)
-        d_gate_up, h_weighted, d_rw_rows, d_x_rows = ops.down_dgrad_gate_up_dgrad(
-            d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule, swiglu_limit)
-        return d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x_rows, schedule)
+        d_gate_up, h_weighted, d_rw_rows, d_x_rows, shared_made = ops.down_dgrad_gate_up_dgrad(
+            d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule, swiglu_limit, shared=shared)
+        return d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x_rows, schedule), shared_made
     d_y_rows = torch.empty(schedule.capacity, d_y.shape[1], dtype=d_y.dtype, device=d_y.device)
     made = {}
 
     def write(target):
         def consume(source):
-            made["d_gate_up"], made["h_weighted"], made["d_rw_rows"], _ = ops.down_dgrad_gate_up_dgrad(
-                d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule, swiglu_limit,
-                pull_from=source, pull_flags=workspace.pull_flags, push_to=target)
+            made["d_gate_up"], made["h_weighted"], made["d_rw_rows"], _, made["shared"] = \
+                ops.down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule,
+                                             swiglu_limit, pull_from=source, pull_flags=workspace.pull_flags,
+                                             push_to=target, shared=shared)
         transport.pull_into(consume, d_y)
 
     slots = transport.push_from(write, w_gate.shape[2], d_y.dtype)
     return (d_y_rows, made["d_gate_up"], made["h_weighted"], made["d_rw_rows"],
-            (slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)))
+            (slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)), made["shared"])
+
+
+def _shared_after_fused_dgrads(ops, x, shared_made, shared_schedule: Schedule, weight_grads: bool):
+    """The rest of the shared expert's backward once its dgrads ran in the routed experts' fused launch
+    (shared_made: its d_y_rows, d_gate_up, h and d_x rows on its dense schedule): (d_x [N, H], (d_ws_gate,
+    d_ws_up, d_ws_down), None without weight_grads), each computed as `_expert_backward` computes it."""
+    d_y_rows, d_gate_up, h, d_x_rows = shared_made
+    d_w_down = ops.down_weight_grad(d_y_rows, h, shared_schedule) if weight_grads else None
+    d_x = ops.sum_slots(d_x_rows, shared_schedule, None)
+    d_w_gate = d_w_up = None
+    if weight_grads:
+        d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, shared_schedule,
+                                                   x_rows=ops.gather(x, shared_schedule))
+    return d_x, tuple(None if g is None else g[0] for g in (d_w_gate, d_w_up, d_w_down))
 
 
 def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, gate_up, w_gate, w_up, w_down,
-                     swiglu_limit, workspace, shared_d_x=None, weight_grads=True):
-    """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down); the weight gradients
-    None without `weight_grads` (their GEMMs do not run; at EP the pull of x's rows still does, so that every
-    rank makes the same transport calls whatever its weights require).
+                     swiglu_limit, workspace, shared_d_x=None, weight_grads=True, fused_shared=None,
+                     shared_weight_grads=True):
+    """One expert group's backward: (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_grads); the weight
+    gradients None without `weight_grads` (their GEMMs do not run; at EP the pull of x's rows still does, so that
+    every rank makes the same transport calls whatever its weights require). fused_shared: on stages that fuse
+    the backward, the shared expert's (d_y, weights, dense schedule, gate_up), whose dgrads then join the launch;
+    its d_x joins the slot sum and shared_grads are its weight gradients (`_shared_after_fused_dgrads`); without
+    it, shared_grads is None and shared_d_x (or nothing) joins the sum.
 
     Ordered so that each [R, *] buffer dies as soon as its last use is done (d_y rows and rw * h
     after the down weight gradient, d_x rows after their slot sum; at EP with the kernels they are
@@ -587,9 +618,14 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
     """
     transport = _transport(workspace)
     d_x_rows = None
+    shared_grads = None
     if ops.fuses_backward:  # both dgrads in one launch: d_x's rows come with the others
-        d_y_rows, d_gate_up, h_weighted, d_rw_rows, d_x_rows = _fused_dgrads(
-            ops, d_y, row_router_weights, schedule, gate_up, w_gate, w_up, w_down, swiglu_limit, workspace)
+        d_y_rows, d_gate_up, h_weighted, d_rw_rows, d_x_rows, shared_made = _fused_dgrads(
+            ops, d_y, row_router_weights, schedule, gate_up, w_gate, w_up, w_down, swiglu_limit, workspace,
+            fused_shared)
+        if shared_made is not None:
+            shared_d_x, shared_grads = _shared_after_fused_dgrads(ops, x, shared_made, fused_shared[4],
+                                                                  shared_weight_grads)
     elif transport is not None and ops.pulls_in_dgrad:  # the dgrad's programs pull d_y's rows into d_y_rows
         d_y_rows = torch.empty(schedule.capacity, d_y.shape[1], dtype=d_y.dtype, device=d_y.device)
         d_gate_up, h_weighted, d_rw_rows = transport.pull_into(
@@ -612,7 +648,7 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
         x_rows = _rows_in(ops, x, schedule, transport)
     if weight_grads:
         d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
-    return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down
+    return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_grads
 
 
 def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, shared=None, *,
@@ -629,29 +665,35 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     ctx = recompute_forward_context(ctx, x, w_gate, w_up, shared, config=config, workspace=workspace,
                                     expert_weights=expert_weights)
     d_y = d_y.contiguous()
-    shared_d_x = shared_grads = None
-    if shared is not None:  # the shared expert: every local token once, rows = tokens, never moved
-        ones = torch.ones(x.shape[0], 1, device=x.device, dtype=router_weights.dtype)
-        shared_d_x, _, *shared_grads = _expert_backward(
-            ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared),
-            ctx.swiglu_limit, None, weight_grads=shared_weight_grads)
-        shared_grads = tuple(None if g is None else g[0] for g in shared_grads)
     row_router_weights = router_weights if transport is None else ctx.all_router_weights
     recipe = precision.recipe_of(config.precision)
     if (recipe is None) != (ctx.kept is None):
         made = "bf16" if ctx.kept is None else "an FP8 precision"
         raise ValueError(f"serval.functional.backward: the forward context was made in {made}, not "
                          f"{config.precision}: pass the Config of the forward")
+    shared_d_x = shared_grads = fused_shared = None
+    if shared is not None and recipe is None and ops.fuses_backward:  # its dgrads join the routed fused launch
+        fused_shared = (d_y, *_shared_weights(shared), ctx.shared_schedule, ctx.shared_gate_up)
+    elif shared is not None:  # the shared expert: every local token once, rows = tokens, never moved
+        ones = torch.ones(x.shape[0], 1, device=x.device, dtype=router_weights.dtype)
+        shared_d_x, _, *shared_grads, _ = _expert_backward(
+            ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared),
+            ctx.swiglu_limit, None, weight_grads=shared_weight_grads)
+        shared_grads = tuple(None if g is None else g[0] for g in shared_grads)
     if macrobatch.streams(ops, recipe, workspace):
-        slots, slot_sched, d_rw_rows, d_w_gate, d_w_up, d_w_down = macrobatch.backward(
+        slots, slot_sched, d_rw_rows, d_w_gate, d_w_up, d_w_down, shared_made = macrobatch.backward(
             ops, d_y, x, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down, ctx.swiglu_limit,
-            workspace, weight_grads)
+            workspace, weight_grads, shared=fused_shared)
+        if shared_made is not None:
+            shared_d_x, shared_grads = _shared_after_fused_dgrads(ops, x, shared_made, ctx.shared_schedule,
+                                                                  shared_weight_grads)
         d_x = ops.sum_slots(slots, slot_sched, shared_d_x)
         d_router_weights = _router_weight_grad(d_rw_rows, router_weights, ctx.schedule, transport)
     elif recipe is None:
-        d_x, d_router_weights, d_w_gate, d_w_up, d_w_down = _expert_backward(
+        d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, fused_shared_grads = _expert_backward(
             ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
-            ctx.swiglu_limit, workspace, shared_d_x, weight_grads)
+            ctx.swiglu_limit, workspace, shared_d_x, weight_grads, fused_shared, shared_weight_grads)
+        shared_grads = fused_shared_grads or shared_grads
     else:
         if config.debug:
             precision.check_finite("d_y", d_y)

@@ -46,24 +46,29 @@ def _ring(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
 
 
-def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace):
+def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None):
     """The routed experts of a forward at EP, streamed.
 
     x [N, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]; schedule: the rank's (worst-case capacity).
-    Returns (gate_up [window 0's num_packed, 2I]: the first window's pre-activations, this rank's slots
-    [N*k, H] of o once every rank has pushed, their slot schedule)."""
+    shared: on stages that fuse the forward (`gate_up_down`), the shared expert's (weights, dense schedule), whose
+    tiles join the first window's launch. Returns (gate_up [window 0's num_packed, 2I]: the first window's
+    pre-activations, this rank's slots [N*k, H] of o once every rank has pushed, their slot schedule, the shared
+    expert's outputs from the first launch or None)."""
     transport = workspace.transport
     parts = windows(schedule, workspace.ring_rows)
     x_ring = _ring(parts[0].schedule.capacity, x.shape[1], x)
-    first = []
+    first, shared_out = [], [None]
 
     def write(target):
         def consume(source):
             for window in parts:
                 s = window.schedule
                 if ops.fuses_forward:  # pull, both GEMMs and push in one launch
-                    gate_up, _, _ = ops.gate_up_down(x, w_gate, w_up, w_down, s, swiglu_limit, pull_from=source,
-                                                     pull_flags=workspace.pull_flags, push_to=target)
+                    gate_up, _, _, made = ops.gate_up_down(x, w_gate, w_up, w_down, s, swiglu_limit,
+                                                           pull_from=source, pull_flags=workspace.pull_flags,
+                                                           push_to=target, shared=None if first else shared)
+                    if not first:
+                        shared_out[0] = made
                 else:
                     if ops.pulls_in_gemm:
                         gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, pull_from=source,
@@ -77,7 +82,7 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
         transport.pull_into(consume, x)
 
     slots = transport.push_from(write, w_down.shape[1], x.dtype)
-    return first[0], slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device)
+    return first[0], slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), shared_out[0]
 
 
 def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.Tensor, ...]):
@@ -88,13 +93,15 @@ def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.
 
 
 def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first, w_gate, w_up, w_down,
-             swiglu_limit, workspace, weight_grads: bool):
+             swiglu_limit, workspace, weight_grads: bool, shared=None):
     """The routed experts of a backward at EP, streamed (the forward's windows, in the same order).
 
     d_y, x [N, H]; row_router_weights: the group's [P*N, k]; gate_up_first: the forward's first window's
-    pre-activations, or None (recomputed, as every later window's are). Returns (this rank's slots [N*k, H] of
-    d_x once every rank has pushed, their slot schedule, d_rw_rows fp32 [capacity], d_w_gate, d_w_up,
-    d_w_down; the weight gradients None without weight_grads)."""
+    pre-activations, or None (recomputed, as every later window's are). shared: on stages that fuse the backward,
+    the shared expert's (d_y, weights, dense schedule, gate_up), whose dgrads join the first window's launch.
+    Returns (this rank's slots [N*k, H] of d_x once every rank has pushed, their slot schedule, d_rw_rows fp32
+    [capacity], d_w_gate, d_w_up, d_w_down, the shared expert's dgrads from the first launch or None; the weight
+    gradients None without weight_grads)."""
     transport = workspace.transport
     parts = windows(schedule, workspace.ring_rows)
     num_experts, inter, hidden = w_gate.shape
@@ -102,6 +109,7 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
     x_ring, d_y_ring = _ring(ring_rows, hidden, x), _ring(ring_rows, hidden, d_y)
     d_rw_rows = torch.empty(schedule.capacity, dtype=torch.float32, device=x.device)
     d_w_gate = d_w_up = d_w_down = None
+    shared_out = [None]
     if weight_grads:
         d_w_gate, d_w_up = (torch.empty(num_experts, inter, hidden, dtype=x.dtype, device=x.device) for _ in "gu")
         d_w_down = torch.empty(num_experts, hidden, inter, dtype=x.dtype, device=x.device)
@@ -117,8 +125,11 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
         d_y_rows = d_y_ring[: s.capacity]
         pull = dict(pull_from=d_y_source, pull_flags=workspace.pull_flags)
         if ops.fuses_backward:  # pull of d_y, both dgrads and push of d_x in one launch
-            d_gate_up, h_weighted, d_rw, _ = ops.down_dgrad_gate_up_dgrad(
-                d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, s, swiglu_limit, push_to=target, **pull)
+            d_gate_up, h_weighted, d_rw, _, made = ops.down_dgrad_gate_up_dgrad(
+                d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, s, swiglu_limit, push_to=target,
+                shared=None if index else shared, **pull)
+            if index == 0:
+                shared_out[0] = made
         else:
             if not ops.pulls_in_dgrad:
                 _pull(d_y_source, s.row_source, d_y_rows)
@@ -142,4 +153,4 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
 
     slots = transport.push_from(write, hidden, d_y.dtype)
     return (slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), d_rw_rows,
-            d_w_gate, d_w_up, d_w_down)
+            d_w_gate, d_w_up, d_w_down, shared_out[0])

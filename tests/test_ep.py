@@ -4,7 +4,9 @@ Every rank builds the same problem from one seed, runs serval.moe on its N token
 with group=<gloo group>, and checks that y, d_x, d_router_weights and its experts' weight gradients
 are BITWISE equal to the EP=1 layer on the concatenated batch (row order and reduction order do not
 depend on P), and that two runs are identical; a skewed routing drops nothing, however many of the group's
-rows one rank receives (they stream through the macrobatch ring, `serval.macrobatch`).
+rows one rank receives (they stream through the macrobatch ring, `serval.macrobatch`). On CUDA (every rank on
+one GPU, or one GPU a rank) each rank's step also runs with no host sync and replays from a CUDA graph to the same
+bits, every rank capturing and replaying at once.
 """
 
 import dataclasses
@@ -20,7 +22,7 @@ import torch.multiprocessing as mp
 
 import serval
 from serval.plan import choose_plan
-from conftest import CUDA, make_layer, make_routing, rel_err, requires_cuda
+from conftest import CUDA, check_sync_free_and_graph_replay, make_layer, make_routing, rel_err, requires_cuda
 
 N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
 SWIGLU_LIMIT = 0.9
@@ -79,6 +81,9 @@ def worker(rank, world_size, init_file, kind, backend, macrobatch_size, device, 
             # second run could only repeat the first (CI time)
             again = layer_grads(*local, group=group, config=config, expert_weights=made)
             assert all(torch.equal(a, b) for a, b in zip(ep, again)), "EP run is not repeatable"
+        if device == "cuda":  # every rank at once: no host sync in the step, and its CUDA graph replays its bits
+            check_sync_free_and_graph_replay(
+                lambda: layer_grads(*local, group=group, config=config, expert_weights=made), ep)
         full = layer_grads(x, rw, ids, weights, shared, d_y,
                            config=serval.Config(block_m=block_m, backend=backend, precision=precision))
         y, d_x, d_rw, d_wg, d_wu, d_wd, *d_shared = ep

@@ -26,7 +26,7 @@ from conftest import check_sync_free_and_graph_replay  # noqa: E402
 from sm90 import compile_in_child  # noqa: E402
 from serval.kernels import common, fused_pass as ff, rows, triton_gemm  # noqa: E402
 from serval.plan import KernelPlan, TileConfig  # noqa: E402
-from serval.schedule import build_schedule  # noqa: E402
+from serval.schedule import build_schedule, dense_schedule  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not common.INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"
@@ -68,7 +68,7 @@ def make_case(routing, hidden=HIDDEN, inter=INTER, block_m=BLOCK_M, seed=0, devi
         return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=torch.bfloat16)
 
     x = randn(num_tokens, hidden)
-    return dict(a_rows=rows.gather(x, schedule), w_gate=randn(num_experts, inter, hidden, scale=hidden ** -0.5),
+    return dict(x=x, a_rows=rows.gather(x, schedule), w_gate=randn(num_experts, inter, hidden, scale=hidden ** -0.5),
                 w_up=randn(num_experts, inter, hidden, scale=hidden ** -0.5),
                 w_down=randn(num_experts, hidden, inter, scale=inter ** -0.5), schedule=schedule)
 
@@ -95,7 +95,7 @@ def fused(case, limit, minibatch_rows, sync=None, gate_up_tiles=TILES, down_tile
     if sync is None:
         sync = ff.new_sync(schedule.capacity // min(gate_up_tiles.block_m, schedule.block_m), case["a_rows"].device)
     return ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], schedule, limit,
-                            gate_up_tiles, down_tiles, use_tma, minibatch_rows, sync)
+                            gate_up_tiles, down_tiles, use_tma, minibatch_rows, sync)[:3]
 
 
 def check_written(out, schedule):
@@ -331,7 +331,7 @@ def fused_backward(case, limit, minibatch_rows, sync=None, dgrad_tiles=DGRAD_TIL
         sync = ff.new_sync(schedule.capacity // min(dgrad_tiles.block_m, schedule.block_m), case["d_y_rows"].device)
     return ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
                              case["router_weights"], schedule, limit, dgrad_tiles, gate_up_dgrad_tiles, use_tma,
-                             minibatch_rows, sync)
+                             minibatch_rows, sync)[:4]
 
 
 def check_backward_written(out, schedule):
@@ -386,6 +386,89 @@ def test_fused_backward_argument_errors():
     call("sync.flags holds", sync=ff.new_sync(schedule.capacity // BLOCK_M - 1, DEVICE))
 
 
+# ---------------------------------------------------------------- the shared expert's tiles in the launch
+
+SHARED_INTER = 24  # not a multiple of the tiles
+
+
+def shared_expert(case, tokens, inter=SHARED_INTER, seed=5, gate_up=None):
+    """A SharedExpert over `tokens` [N, H] (x forward, d_y backward) with the case's block_m, and the dict of its
+    operands the staged helpers take."""
+    num_tokens, hidden = tokens.shape
+    device = tokens.device
+    dense = dense_schedule(num_tokens, case["schedule"].block_m, device)
+    g = torch.Generator().manual_seed(seed)
+    w_gate, w_up = ((torch.randn(1, inter, hidden, generator=g) * hidden ** -0.5).to(device, torch.bfloat16)
+                    for _ in range(2))
+    w_down = (torch.randn(1, hidden, inter, generator=g) * inter ** -0.5).to(device, torch.bfloat16)
+    shared = ff.SharedExpert(rows.gather(tokens, dense), dense, w_gate, w_up, w_down, gate_up)
+    operands = dict(a_rows=shared.rows, d_y_rows=shared.rows, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                    schedule=dense, gate_up=gate_up,
+                    router_weights=torch.ones(dense.capacity, dtype=torch.float32, device=device))
+    return shared, operands
+
+
+def shared_sync(case, shared, block_m=BLOCK_M):
+    return ff.new_sync((case["schedule"].capacity + shared.schedule.capacity) // block_m, case["x"].device)
+
+
+@pytest.mark.parametrize("routing, minibatch", [("random", "1_tile"), ("empty_experts", "mok"),
+                                                ("one_token", "2_tiles")])
+def test_fused_with_the_shared_expert_equals_staged(routing, minibatch):
+    """The shared expert's gate/up and down tiles in the launch (its tasks first): every output of both groups bit
+    for bit the staged launches'."""
+    case, want = staged_cached(routing, 0.5)
+    shared, operands = shared_expert(case, case["x"])
+    *got, got_shared = ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"],
+                                        case["schedule"], 0.5, TILES, TILES, True, MINIBATCHES[minibatch],
+                                        shared_sync(case, shared), shared=shared)
+    assert_bitwise(got, want)
+    assert_bitwise(got_shared, staged(operands, 0.5))
+    check_written(got_shared, shared.schedule)
+
+
+@pytest.mark.parametrize("routing, minibatch", [("random", "2_tiles"), ("one_token", "1_tile")])
+def test_fused_backward_with_the_shared_expert_equals_staged(routing, minibatch):
+    """The shared expert's down dgrad (router weights 1) and gate/up dgrad tiles in the backward launch: bit for bit
+    the staged launches'."""
+    case = backward_case(routing, 0.5)
+    d_y = torch.randn(case["x"].shape, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.bfloat16)
+    shared, operands = shared_expert(case, case["x"])
+    gate_up, _ = triton_gemm.gate_up_swiglu(shared.rows, shared.w_gate, shared.w_up, shared.schedule, 0.5, TILES,
+                                            False)
+    shared, operands = shared_expert(case, d_y, gate_up=gate_up)
+    *got, got_shared = ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"],
+                                         case["gate_up"], case["router_weights"], case["schedule"], 0.5, DGRAD_TILES,
+                                         TILES, True, MINIBATCHES[minibatch], shared_sync(case, shared),
+                                         shared=shared)
+    assert_bitwise(got, staged_backward(case, 0.5), BACKWARD_NAMES)
+    d_gate_up, h_weighted, _, d_x = staged_backward(operands, 0.5)
+    assert_bitwise(got_shared, (d_gate_up, h_weighted, d_x), ("shared d_gate_up", "shared h", "shared d_x"))
+
+
+def test_shared_expert_argument_errors():
+    case = make_case("random")
+    shared, _ = shared_expert(case, case["x"])
+    args = dict(a_rows=case["a_rows"], w_gate=case["w_gate"], w_up=case["w_up"], w_down=case["w_down"],
+                schedule=case["schedule"], swiglu_limit=None, gate_up_tiles=TILES, down_tiles=TILES, use_tma=True,
+                minibatch_rows=None, sync=shared_sync(case, shared))
+
+    def call(match, error=ValueError, **changes):
+        with pytest.raises(error, match=match):
+            ff.fused_forward(**args, shared=shared._replace(**changes))
+
+    with pytest.raises(TypeError, match="shared must be None or a fused_pass.SharedExpert"):
+        ff.fused_forward(**args, shared=tuple(shared))
+    call("shared.rows must be", rows=shared.rows[:-1])
+    call("shared.w_up must be", w_up=shared.w_up[:, :-1])
+    call("shared.w_down must be", w_down=shared.w_down.transpose(1, 2))
+    call("shared.w_gate must be a", w_gate=shared.w_gate.float())
+    call("shared.schedule must be", schedule=case["schedule"])
+    with pytest.raises(ValueError, match="sync.flags holds"):
+        ff.fused_forward(**{**args, "sync": ff.new_sync(case["schedule"].capacity // BLOCK_M, DEVICE)},
+                         shared=shared)
+
+
 # ---------------------------------------------------------------- sm_90a, without a GPU
 
 COMPILE_CHILD = r"""
@@ -395,35 +478,42 @@ sys.path.insert(0, "tests")
 from sm90 import compile_launch_in_this_child
 from serval.kernels import fused_pass as ff
 from serval.plan import KernelPlan
-from serval.schedule import build_schedule
+from serval.schedule import build_schedule, dense_schedule
 
 hidden, inter, E, N = int(sys.argv[1]), int(sys.argv[2]), 4, 256
-backward = sys.argv[3] == "backward"
+backward, with_shared = sys.argv[3].startswith("backward"), sys.argv[3].endswith("shared")
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
 rows, w_gate, w_up = (torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
                       torch.zeros(E, inter, hidden, **bf16))
-w_down, sync = torch.zeros(E, hidden, inter, **bf16), ff.new_sync(schedule.capacity // 128, "cpu")
+w_down = torch.zeros(E, hidden, inter, **bf16)
+shared = None
+if with_shared:  # a shared expert of Is = I over the N tokens
+    dense = dense_schedule(N, 128, "cpu")
+    shared = ff.SharedExpert(torch.zeros(dense.capacity, hidden, **bf16), dense, w_gate[:1], w_up[:1], w_down[:1],
+                             torch.zeros(N, 2 * inter, **bf16) if backward else None)
+sync = ff.new_sync((schedule.capacity + (N if with_shared else 0)) // 128, "cpu")
 if backward:
     launch = lambda: ff.fused_backward(
         rows, w_down, w_gate, w_up, torch.zeros(schedule.num_packed, 2 * inter, **bf16), torch.zeros(2 * N), schedule,
-        7.0, plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, True, None, sync)
+        7.0, plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, True, None, sync, shared=shared)
 else:
     launch = lambda: ff.fused_forward(rows, w_gate, w_up, w_down, schedule, 7.0, plan.gate_up_tiles, plan.down_tiles,
-                                      True, None, sync)
+                                      True, None, sync, shared=shared)
 compile_launch_in_this_child(ff, "_fused_pass_kernel", launch, sys.argv[4])
 """
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests run the kernel itself")
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction", ["forward", "backward", "forward_shared", "backward_shared"])
 def test_compiles_for_sm90a(direction, tmp_path):
     """The fused kernel with the plan's Hopper tiles compiles for sm_90a, its shared memory fits a block (227 KB),
     ptxas spills nothing and keeps the wgmma pipelined (no function call in the kernel: no C7510 warning). Forward:
     gate/up 128 x 128 x 64 dual accumulator, down 128 x 256 x 64, the gate/up's 8 warps and 3 stages for both;
     backward: the dgrad 128 x 128 x 64 with its SwiGLU-backward epilogue in 4 chunks, the gate/up dgrad
-    128 x 256 x 64 over the split K, the latter's 8 warps and 3 stages for both. In a child process:
+    128 x 256 x 64 over the split K, the latter's 8 warps and 3 stages for both; "_shared": with the shared
+    expert's tiles too (the same tile bodies, on its operands). In a child process:
     TRITON_INTERPRET=1 here makes serval's helpers interpreter functions. (On H, I that are not multiples of 16,
     320 x 200, the gate/up tiles spill some 300 bytes, in the staged kernel as here.)"""
     shared, report = compile_in_child(COMPILE_CHILD, [512, 256, direction], tmp_path)
@@ -480,6 +570,38 @@ def test_gpu_fused_backward_equals_staged(how, minibatch_rows):
         check_sync_free_and_graph_replay(
             lambda: tuple(bits(t) for t in fused_backward(case, 7.0, None, sync, **tiles)),
             tuple(bits(t) for t in first))
+
+
+@needs_cuda
+def test_gpu_fused_passes_with_the_shared_expert():
+    """Both passes with a shared expert (Is = 1536, not a multiple of the 256-column tiles) at a realistic size, the
+    plan's tiles: every output of both groups bit for bit the staged Triton launches', two runs equal."""
+    s, plan = GPU_SHAPE, KernelPlan()
+    case = backward_case((s["num_tokens"], s["top_k"], s["num_experts"], "random"), 7.0, device="cuda",
+                         hidden=s["hidden"], inter=s["inter"], block_m=128)
+    shared, operands = shared_expert(case, case["x"], inter=1536)
+    sync = shared_sync(case, shared, block_m=128)
+    fwd_tiles = dict(gate_up_tiles=plan.gate_up_tiles, down_tiles=plan.down_tiles)
+
+    def forward():
+        return ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], case["schedule"], 7.0,
+                                plan.gate_up_tiles, plan.down_tiles, True, None, sync, shared=shared)
+
+    *got, got_shared = forward()
+    assert_bitwise(got, staged(case, 7.0, **fwd_tiles))
+    assert_bitwise(got_shared, staged(operands, 7.0, **fwd_tiles))
+    assert_bitwise(forward()[3], got_shared)
+
+    d_y = torch.randn(case["x"].shape, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
+    shared_bwd, operands_bwd = shared_expert(case, d_y, inter=1536, gate_up=got_shared[0])  # the same weights
+    bwd_tiles = dict(dgrad_tiles=plan.down_dgrad_tiles, gate_up_dgrad_tiles=plan.gate_up_dgrad_tiles)
+    *got, got_shared = ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"],
+                                         case["gate_up"], case["router_weights"], case["schedule"], 7.0,
+                                         plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, True, 256, sync,
+                                         shared=shared_bwd)
+    assert_bitwise(got, staged_backward(case, 7.0, **bwd_tiles), BACKWARD_NAMES)
+    d_gate_up, h_weighted, _, d_x = staged_backward(operands_bwd, 7.0, **bwd_tiles)
+    assert_bitwise(got_shared, (d_gate_up, h_weighted, d_x), ("shared d_gate_up", "shared h", "shared d_x"))
 
 
 @needs_cuda

@@ -23,7 +23,10 @@ minibatch b's F tiles, S(b) its S tiles, and the task order is
     F(0), F(1), S(0), F(2), S(1), ..., F(nb - 1), S(nb - 2), S(nb - 1)
 
 so an S tile depends only on earlier tasks, and, one minibatch of F work having run in between, usually finds its
-rows ready. Within F(b) / S(b) the tiles are in the staged kernel's order with GROUP_M = F's config's group_m (at
+rows ready. With a shared expert (`SharedExpert`, a one-expert group over the N tokens, rows = tokens) its own
+task order, the same function on its M-tiles and its first GEMM's N-tiles (one MB for both groups), comes first:
+its rows need no pull, so at EP its tiles fill the time while the routed rows arrive, and its F and S tiles run
+the same tile bodies on its own operands, bit for bit its two staged launches. Within F(b) / S(b) the tiles are in the staged kernel's order with GROUP_M = F's config's group_m (at
 most MB; MB is rounded up to a multiple of it, so minibatches start on M-group boundaries; `common.tile_coords` on
 the GEMM's own tile numbering): each GEMM's tiles are taken in exactly the order of its staged launch with that
 M-group, and the fused order interleaves the two sequences minibatch by minibatch.
@@ -35,7 +38,7 @@ when the task starts so that the counter's round trip overlaps it; it stops at t
 
 Flags. An F tile, once its outputs are stored (pointer stores), fences them for the async proxy (S reads them
 through TMA), waits for its warps (`tl.debug_barrier`) and adds 1 to its M-tile's int32 flag with release
-semantics. An S tile first waits (acquire) until its M-tile's flag reaches n_first: all F N-tiles of that M-tile
+semantics (the shared expert's M-tiles have theirs after the routed capacity's). An S tile first waits (acquire) until its M-tile's flag reaches n_first: all F N-tiles of that M-tile
 have stored their columns. The wait is bounded (`in_gemm_pull.wait_until`): after about 10 s the program traps,
 an error instead of a hang, and with `debug_waits` prints the M-tile first (off by default: a printf is a function
 call, and a call anywhere in the kernel makes ptxas serialize all its wgmma instructions).
@@ -51,8 +54,8 @@ stream: launches that share it must run one after another (no programmatic depen
 a forward and a backward launch may share it.
 
 Deadlock freedom. Ids are handed out in increasing order, and a task waits only on earlier tasks (an S tile of
-M-tile m on F tiles of m, all earlier in the order); F tasks wait only for pulled rows, which programs that take no
-tasks publish. A program's next id is larger than its current one and becomes current as soon as the current
+M-tile m on F tiles of m, all earlier in the order, the shared expert's on its own); F tasks wait only for pulled
+rows, which programs that take no tasks publish. A program's next id is larger than its current one and becomes current as soon as the current
 finishes, so the earliest unfinished task is always some program's current task, and everything it waits on is
 earlier, hence finished: it completes, and by induction the launch progresses whether or not every program is
 resident. In Triton's CPU interpreter programs run one after another: program 0 takes every task in order (so no
@@ -199,6 +202,13 @@ def _fused_pass_kernel(
     top_k, pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr,
     # PUSH (EP): the owners' slot buffers [slots_per_rank, H] (an int64 address per rank)
     push_table_ptr, push_slots_per_rank,
+    # HAS_SHARED: the shared expert's two GEMMs, as the routed ones with one expert: its rows (forward x's,
+    # backward d_y's [Rs, H]: rows = tokens, never moved), its dense schedule's M-tiles, row sources, tile experts,
+    # block_m and packed index, its weights ([1, Is, H] / [1, H, Is]), outputs, (backward) kept gate_up, router
+    # weights (ones) and row partials; its M-tiles' flags start at sh_flags_offset
+    sh_a_ptr, sh_num_rows, sh_num_m_tiles, sh_row_source_ptr, sh_tile_expert_ptr, sh_block_m, sh_packed_ptr,
+    sh_w_first0_ptr, sh_w_first1_ptr, sh_w_second0_ptr, sh_w_second1_ptr, sh_c_ptr, sh_h_ptr, sh_o_ptr,
+    sh_gate_up_ptr, sh_router_weights_ptr, sh_d_rw_partial_ptr, SH_INTER, sh_flags_offset,
     BACKWARD: tl.constexpr,
     BLOCK_M: tl.constexpr, FIRST_BLOCK_N: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, FIRST_EPI_SPLIT: tl.constexpr,
     SECOND_BLOCK_N: tl.constexpr, SECOND_BLOCK_K: tl.constexpr, SECOND_EPI_SPLIT: tl.constexpr,
@@ -206,7 +216,7 @@ def _fused_pass_kernel(
     MB: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PROXY_FENCE: tl.constexpr,
     PRINT_TIMEOUTS: tl.constexpr, PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr,
-    PULL_BLOCK_C: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
+    PULL_BLOCK_C: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr, HAS_SHARED: tl.constexpr,
 ):
     # the pass's two GEMMs as `triton_gemm._gemm_tile` variants (the staged stages' own arguments)
     FIRST_EPILOGUE: tl.constexpr = "swiglu_bwd" if BACKWARD else "swiglu_fwd"
@@ -239,6 +249,20 @@ def _fused_pass_kernel(
     second_descs = _descriptors(second_a_ptr, stride_second_a, num_rows, w_second0_ptr, w_second1_ptr, o_ptr,
                                 HIDDEN, o_ptr, num_experts, HIDDEN, INTER, BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K,
                                 SECOND_BLOCK_N // SECOND_EPI_SPLIT, W_NK, BACKWARD, "store", PUSH, USE_TMA)
+    if HAS_SHARED:  # the shared expert's tasks come first: they need no pulled rows, so they fill the pull's time
+        sh_n_first = tl.cdiv(SH_INTER, FIRST_BLOCK_N)
+        num_shared_tasks = sh_num_m_tiles * (sh_n_first + n_second)
+        sh_second_a_ptr = sh_c_ptr if BACKWARD else sh_h_ptr
+        sh_stride_second_a = 2 * SH_INTER if BACKWARD else SH_INTER
+        sh_first_descs = _descriptors(sh_a_ptr, HIDDEN, sh_num_rows, sh_w_first0_ptr, sh_w_first1_ptr, sh_c_ptr,
+                                      2 * SH_INTER, sh_h_ptr, 1, SH_INTER, HIDDEN, BLOCK_M, FIRST_BLOCK_N,
+                                      FIRST_BLOCK_K, FIRST_BLOCK_N // FIRST_EPI_SPLIT, W_NK, False, FIRST_EPILOGUE,
+                                      False, USE_TMA)
+        sh_second_descs = _descriptors(sh_second_a_ptr, sh_stride_second_a, sh_num_rows, sh_w_second0_ptr,
+                                       sh_w_second1_ptr, sh_o_ptr, HIDDEN, sh_o_ptr, 1, HIDDEN, SH_INTER, BLOCK_M,
+                                       SECOND_BLOCK_N, SECOND_BLOCK_K, SECOND_BLOCK_N // SECOND_EPI_SPLIT, W_NK,
+                                       BACKWARD, "store", False, USE_TMA)
+        num_tasks += num_shared_tasks
 
     if PULL_PROGRAMS > 0:  # EP: the first programs pull A's rows, M-tile by M-tile, in the order tasks need them
         pull_epoch = tl.load(pull_epoch_ptr)
@@ -256,35 +280,67 @@ def _fused_pass_kernel(
         # the next id is taken now, so the counter's round trip runs under this task (ids stay increasing per
         # program: the earliest unfinished task is always some program's current one, so no wait can deadlock)
         next_task = tl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
-        is_second, m_tile, n_tile = _task_coords(task, num_m_tiles, n_first, n_second, MB, GROUP_M)
+        if HAS_SHARED:  # ids [0, num_shared_tasks): the shared expert's task order; then the routed experts'
+            is_shared = task < num_shared_tasks
+            is_routed = ~is_shared
+            is_second, m_tile, n_tile = _task_coords(tl.where(is_shared, task, task - num_shared_tasks),
+                                                     tl.where(is_shared, sh_num_m_tiles, num_m_tiles),
+                                                     tl.where(is_shared, sh_n_first, n_first), n_second, MB, GROUP_M)
+            flag = flags + tl.where(is_shared, sh_flags_offset + m_tile, m_tile)
+            first_n_tiles = tl.where(is_shared, sh_n_first, n_first)
+        else:
+            is_routed: tl.constexpr = True
+            is_second, m_tile, n_tile = _task_coords(task, num_m_tiles, n_first, n_second, MB, GROUP_M)
+            flag = flags + m_tile
+            first_n_tiles = n_first
+        is_first = ~is_second
         if is_second:
             # the first GEMM's output of this M-tile: every first-GEMM N-tile has stored its columns (acquire)
-            in_gemm_pull.wait_until(flags + m_tile, n_first, m_tile,
+            in_gemm_pull.wait_until(flag, first_n_tiles, m_tile,
                                     "serval: fused pass timed out waiting for the first GEMM's M-tile ",
                                     PRINT_TIMEOUTS)
+        # the tile bodies in sibling branches, not nested ones: Triton's shared-memory allocator then reuses one
+        # pipeline's buffers for all of them (nested, it kept two at once). First-GEMM tiles store with pointer
+        # stores (EPI_TMA_STORES False): the release below covers them with one proxy fence.
+        if HAS_SHARED:  # the shared expert's rows stay here: stored, never pulled or pushed
+            if is_second & is_shared:
+                _gemm_tile(sh_second_descs, m_tile, n_tile,
+                           sh_second_a_ptr, sh_stride_second_a, sh_num_rows, sh_row_source_ptr, push_table_ptr, 0,
+                           sh_tile_expert_ptr, sh_block_m, sh_w_second0_ptr, sh_w_second1_ptr, sh_o_ptr, HIDDEN,
+                           sh_o_ptr, sh_packed_ptr, sh_o_ptr, sh_o_ptr, sh_o_ptr, HIDDEN, SH_INTER, swiglu_limit,
+                           BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K, W_NK, BACKWARD, "store", HAS_LIMIT, USE_TMA,
+                           UPCAST, SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, False, False)
+            if is_first & is_shared:
+                _gemm_tile(sh_first_descs, m_tile, n_tile,
+                           sh_a_ptr, HIDDEN, sh_num_rows, sh_row_source_ptr, sh_o_ptr, 0,
+                           sh_tile_expert_ptr, sh_block_m, sh_w_first0_ptr, sh_w_first1_ptr, sh_c_ptr, 2 * SH_INTER,
+                           sh_h_ptr, sh_packed_ptr, sh_gate_up_ptr, sh_router_weights_ptr, sh_d_rw_partial_ptr,
+                           SH_INTER, HIDDEN, swiglu_limit, BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK, False,
+                           FIRST_EPILOGUE, HAS_LIMIT, USE_TMA, UPCAST, FIRST_EPI_SPLIT, False, False, False)
+        if is_second & is_routed:
             _gemm_tile(second_descs, m_tile, n_tile,
                        second_a_ptr, stride_second_a, num_rows, row_source_ptr, push_table_ptr, push_slots_per_rank,
                        tile_expert_ptr, sched_block_m, w_second0_ptr, w_second1_ptr, o_ptr, HIDDEN, o_ptr,
                        packed_ptr, o_ptr, o_ptr, o_ptr, HIDDEN, INTER, swiglu_limit,
                        BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K, W_NK, BACKWARD, "store", HAS_LIMIT, USE_TMA, UPCAST,
                        SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, PUSH, PUSH_ALIGNED)
-        else:
+        if is_first & is_routed:
             if PULL_PROGRAMS > 0:  # A's rows of this M-tile have been pulled (acquire)
                 in_gemm_pull.wait_until(pull_flags_ptr + m_tile, pull_epoch, m_tile,
                                         "serval: fused pass timed out waiting for the pulled rows of M-tile ",
                                         PRINT_TIMEOUTS)
-            # pointer stores (EPI_TMA_STORES False): the release below then covers them with one proxy fence
             _gemm_tile(first_descs, m_tile, n_tile,
                        a_ptr, HIDDEN, num_rows, row_source_ptr, o_ptr, 0,
                        tile_expert_ptr, sched_block_m, w_first0_ptr, w_first1_ptr, c_ptr, 2 * INTER, h_ptr,
                        packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, INTER, HIDDEN, swiglu_limit,
                        BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK, False, FIRST_EPILOGUE, HAS_LIMIT, USE_TMA,
                        UPCAST, FIRST_EPI_SPLIT, False, False, False)
+        if is_first:
             if PROXY_FENCE:  # the second GEMM reads these rows with TMA (the async proxy): order the stores for it
                 tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False,
                                           pack=1)
             tl.debug_barrier()  # every warp's stores are done before the release
-            tl.atomic_add(flags + m_tile, 1, sem="release", scope="gpu")
+            tl.atomic_add(flag, 1, sem="release", scope="gpu")
         task = next_task
 
 
@@ -301,9 +357,41 @@ class Sync(NamedTuple):
     epoch: torch.Tensor
 
 
+class SharedExpert(NamedTuple):
+    """The shared expert's part of a fused pass: its two GEMMs' tiles join the launch's tasks, before the routed
+    ones (they need no pulled rows: at EP they fill the time while the routed rows arrive). schedule:
+    `schedule.dense_schedule(N, block_m)` (the routed schedule's block_m: rows = tokens, never moved); rows
+    [Rs, H]: its rows of x (forward) or d_y (backward), Rs = schedule.capacity, padding rows zero
+    (`rows.gather`); w_gate, w_up [1, Is, H] and w_down [1, H, Is] (a one-expert group); gate_up: backward only,
+    the forward's packed pre-activations [N, 2Is]."""
+
+    rows: torch.Tensor
+    schedule: Schedule
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    gate_up: torch.Tensor | None = None
+
+
+class _SharedLaunch(NamedTuple):
+    """A checked SharedExpert with the pass's buffers for it (`_launch`)."""
+
+    rows: torch.Tensor
+    schedule: Schedule
+    inter: int
+    w_first: tuple[torch.Tensor, torch.Tensor]
+    w_second: tuple[torch.Tensor, torch.Tensor]
+    c: torch.Tensor
+    h: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor | None = None
+    router_weights: torch.Tensor | None = None
+    d_rw_partial: torch.Tensor | None = None
+
+
 def new_sync(num_m_tiles: int, device) -> Sync:
-    """Zeros for launches of up to `num_m_tiles` M-tiles (schedule.capacity // block_m): allocate once, before any
-    CUDA graph capture, and reuse; launches never need it reset."""
+    """Zeros for launches of up to `num_m_tiles` M-tiles (schedule.capacity // block_m, plus the shared expert's
+    schedule's with one): allocate once, before any CUDA graph capture, and reuse; launches never need it reset."""
     if not isinstance(num_m_tiles, int) or isinstance(num_m_tiles, bool) or num_m_tiles < 0:
         raise ValueError(f"new_sync: num_m_tiles must be an int >= 0, got {num_m_tiles!r}")
     return Sync(torch.zeros(2, dtype=torch.int32, device=device),
@@ -342,8 +430,9 @@ def _check_sync(what: str, sync, num_m_tiles: int, device) -> None:
             raise ValueError(f"{what}: sync.{field} must be a contiguous int32 {list(shape)} tensor on {device} "
                              f"(new_sync), got {t.dtype} {list(t.shape)} on {t.device}")
     if sync.flags.shape[1] < num_m_tiles:
-        raise ValueError(f"{what}: sync.flags holds {sync.flags.shape[1]} M-tiles per epoch, the schedule has "
-                         f"{num_m_tiles} (capacity // block_m): allocate it with new_sync(capacity // block_m)")
+        raise ValueError(f"{what}: sync.flags holds {sync.flags.shape[1]} M-tiles per epoch, the schedules have "
+                         f"{num_m_tiles} (capacity // block_m, the shared expert's included): allocate it with "
+                         f"new_sync({num_m_tiles})")
 
 
 def _check_weights(what: str, a_rows, schedule: Schedule, w_gate, w_up, w_down, a_name: str) -> tuple[int, int]:
@@ -369,10 +458,37 @@ def _check_weights(what: str, a_rows, schedule: Schedule, w_gate, w_up, w_down, 
     return inter, hidden
 
 
+def _check_shared(what: str, shared, a_rows, hidden: int, block_m: int, backward: bool) -> int:
+    """The shared expert's Is, or ValueError / TypeError naming the argument that is off."""
+    if not isinstance(shared, SharedExpert):
+        raise TypeError(f"{what}: shared must be None or a fused_pass.SharedExpert, got {type(shared).__name__}")
+    rows, schedule = shared.rows, shared.schedule
+    for name in ("rows", "w_gate", "w_up", "w_down") + (("gate_up",) if backward else ()):
+        t = getattr(shared, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != a_rows.dtype or t.device != a_rows.device:
+            raise ValueError(f"{what}: shared.{name} must be a {a_rows.dtype} tensor on {a_rows.device}, got "
+                             + (f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if schedule.num_experts != 1 or schedule.block_m % block_m or schedule.capacity < 1:
+        raise ValueError(f"{what}: shared.schedule must be a dense_schedule(N, block_m) with block_m a multiple of "
+                         f"the tile rows {block_m}, got {schedule.num_experts} experts, capacity {schedule.capacity}, "
+                         f"block_m {schedule.block_m}")
+    if tuple(rows.shape) != (schedule.capacity, hidden):
+        raise ValueError(f"{what}: shared.rows must be [shared.schedule.capacity, H] = {[schedule.capacity, hidden]}, "
+                         f"got {list(rows.shape)}")
+    if shared.w_gate.dim() != 3 or shared.w_gate.shape[0] != 1 or shared.w_gate.shape[2] != hidden:
+        raise ValueError(f"{what}: shared.w_gate must be [1, Is, H] (H = {hidden}), got {list(shared.w_gate.shape)}")
+    inter = shared.w_gate.shape[1]
+    for name, shape in (("w_up", (1, inter, hidden)), ("w_down", (1, hidden, inter))) + (
+            (("gate_up", (schedule.num_packed, 2 * inter)),) if backward else ()):
+        if tuple(getattr(shared, name).shape) != shape:
+            raise ValueError(f"{what}: shared.{name} must be {list(shape)}, got {list(getattr(shared, name).shape)}")
+    return inter
+
+
 def _check_launch(what: str, a_rows, schedule: Schedule, hidden: int, swiglu_limit, minibatch_rows, tiles: dict,
-                  sync, pull, push_to, a_name: str) -> int:
-    """The launch's BLOCK_M, or ValueError / TypeError naming the argument that is off. tiles: {name: TileConfig}
-    of the first and the second GEMM."""
+                  sync, pull, push_to, a_name: str, shared, backward: bool) -> tuple[int, int | None]:
+    """The launch's BLOCK_M and the shared expert's Is (None without one), or ValueError / TypeError naming the
+    argument that is off. tiles: {name: TileConfig} of the first and the second GEMM."""
     if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))):
         raise ValueError(f"{what}: swiglu_limit must be None or a float, got {swiglu_limit!r}")
     if minibatch_rows is not None and (not isinstance(minibatch_rows, int) or isinstance(minibatch_rows, bool)
@@ -388,7 +504,9 @@ def _check_launch(what: str, a_rows, schedule: Schedule, hidden: int, swiglu_lim
     if schedule.block_m % block_m:
         raise ValueError(f"{what}: tile rows {block_m} must divide the schedule's block_m {schedule.block_m}")
     capacity_m_tiles = schedule.capacity // block_m
-    _check_sync(what, sync, capacity_m_tiles, a_rows.device)
+    shared_inter = None if shared is None else _check_shared(what, shared, a_rows, hidden, block_m, backward)
+    shared_m_tiles = 0 if shared is None else shared.schedule.capacity // block_m
+    _check_sync(what, sync, capacity_m_tiles + shared_m_tiles, a_rows.device)
     if pull is not None:
         if not a_rows.is_contiguous():
             raise ValueError(f"{what}: with pull, {a_name} is the buffer the pull fills: it must be contiguous")
@@ -401,13 +519,13 @@ def _check_launch(what: str, a_rows, schedule: Schedule, hidden: int, swiglu_lim
     if push_to is not None and (push_to.cols != hidden or push_to.dtype != a_rows.dtype):
         raise ValueError(f"{what}: push_to holds [{push_to.cols}] {push_to.dtype} slots, the second GEMM makes "
                          f"[{hidden}] {a_rows.dtype} rows")
-    return block_m
+    return block_m, shared_inter
 
 
 def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Schedule, hidden: int, inter: int,
             swiglu_limit, first_tiles: TileConfig, second_tiles: TileConfig, launch_tiles: TileConfig,
             use_tma: bool, minibatch_rows, sync: Sync, pull, push_to, debug_waits: bool, block_m: int,
-            tma_operands, gate_up=None, router_weights=None, d_rw_partial=None):
+            tma_operands, gate_up=None, router_weights=None, d_rw_partial=None, shared: _SharedLaunch | None = None):
     """One launch of `_fused_pass_kernel` (arguments checked by the callers); launch_tiles: whose num_warps and
     num_stages the launch takes."""
     device = a_rows.device
@@ -419,6 +537,17 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
     n_first = common.cdiv(inter, first_tiles.block_n)
     n_second = common.cdiv(hidden, second_tiles.block_n)
     max_tasks = capacity_m_tiles * (n_first + n_second)
+    shared_m_tiles = 0
+    shared_args = (h, 0, 0, h, h, 0, h, h, h, h, h, h, h, h, h, h, h, 0, 0)  # placeholders: no shared expert
+    if shared is not None:
+        shared_m_tiles = shared.schedule.capacity // block_m
+        max_tasks += shared_m_tiles * (common.cdiv(shared.inter, first_tiles.block_n) + n_second)
+        shared_args = (shared.rows, shared.rows.shape[0], shared_m_tiles, shared.schedule.row_source,
+                       shared.schedule.tile_expert, shared.schedule.block_m, packed_index(shared.schedule),
+                       *shared.w_first, *shared.w_second, shared.c, shared.h, shared.o,
+                       *(t if t is not None else h for t in (shared.gate_up, shared.router_weights,
+                                                             shared.d_rw_partial)),
+                       shared.inter, capacity_m_tiles)
     num_programs = max(1, min(common.num_sms(device.index), max_tasks))
     pull_programs, pull_args, pull_block_c = 0, (0, h, 0, h, h), 16
     if pull is not None:
@@ -430,12 +559,14 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         pull_block_c = min(pull.block_c, triton.next_power_of_2(hidden))
     if max_tasks + 2 * num_programs >= 2**31:
         raise ValueError(f"fused pass: {max_tasks} tasks do not fit the int32 task counter")
-    mb = minibatch_m_tiles(minibatch_rows, hidden, inter, block_m, capacity_m_tiles, first_tiles.block_n,
+    # one minibatch size for both expert groups; clamped only where one minibatch holds every M-tile of both
+    most_m_tiles = max(capacity_m_tiles, shared_m_tiles, 1)
+    mb = minibatch_m_tiles(minibatch_rows, hidden, inter, block_m, most_m_tiles, first_tiles.block_n,
                            second_tiles.block_n, device, pull_programs)
     # the staged launch's M-group inside each minibatch (weight and row tiles shared in L2 by the programs working
     # at once); minibatches start on group boundaries
     group_m = min(first_tiles.group_m, mb)
-    mb = min(-(-mb // group_m) * group_m, max(capacity_m_tiles, 1))
+    mb = min(-(-mb // group_m) * group_m, most_m_tiles)
     sync.epoch.add_(1)
     _fused_pass_kernel[(num_programs,)](
         a_rows, schedule.capacity, schedule.row_source, schedule.tile_expert, schedule.expert_offsets,
@@ -446,6 +577,7 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         hidden, inter, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         sync.counters, sync.flags, sync.flags.shape[1], sync.epoch,
         *pull_args, push_to.table if push_to is not None else h, push_to.num_slots if push_to is not None else 0,
+        *shared_args,
         BACKWARD=backward,
         BLOCK_M=block_m, FIRST_BLOCK_N=first_tiles.block_n, FIRST_BLOCK_K=first_tiles.block_k,
         FIRST_EPI_SPLIT=first_tiles.epi_split, SECOND_BLOCK_N=second_tiles.block_n,
@@ -455,7 +587,7 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         HAS_LIMIT=swiglu_limit is not None, USE_TMA=use_tma, UPCAST=common.INTERPRET,
         PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=debug_waits or common.INTERPRET,
         PULL_PROGRAMS=pull_programs, PULL_ALIGNED=pull is not None and pull.source.aligned, PULL_BLOCK_C=pull_block_c,
-        PUSH=push_to is not None, PUSH_ALIGNED=push_to is not None and push_to.aligned,
+        PUSH=push_to is not None, PUSH_ALIGNED=push_to is not None and push_to.aligned, HAS_SHARED=shared is not None,
         num_warps=launch_tiles.num_warps, num_stages=launch_tiles.num_stages,
     )
 
@@ -463,8 +595,8 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
 def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   schedule: Schedule, swiglu_limit: float | None, gate_up_tiles: TileConfig, down_tiles: TileConfig,
                   use_tma: bool, minibatch_rows: int | None, sync: Sync, *, pull: in_gemm_pull.Pull | None = None,
-                  push_to: PeerSlots | None = None, debug_waits: bool = False):
-    """Gate/up + SwiGLU and down in one persistent launch: (gate_up, h, o), bit for bit
+                  push_to: PeerSlots | None = None, shared: SharedExpert | None = None, debug_waits: bool = False):
+    """Gate/up + SwiGLU and down in one persistent launch: (gate_up, h, o, shared_out), bit for bit
     `triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, gate_up_tiles, use_tma)` followed by
     `triton_gemm.down(h, w_down, schedule, down_tiles, use_tma)`.
 
@@ -484,34 +616,50 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     `triton_gemm.down(..., push_to=)` writes it, and o is not made. The launch then holds every SM (the pull
     programs must run beside the compute programs).
 
-    Returns gate_up [num_packed, 2I] (packed rows, kept for backward), h = SwiGLU(gate, up) [R, I] and
-    o = h @ w_down[e].T [R, H] (None with push_to), in the operands' dtype; rows past the used M-tiles are not
-    written.
+    shared: the shared expert's gate/up + SwiGLU and down join the launch (`SharedExpert` with x's rows; its tasks
+    first), bit for bit the same two staged launches on its dense schedule.
+
+    Returns gate_up [num_packed, 2I] (packed rows, kept for backward), h = SwiGLU(gate, up) [R, I],
+    o = h @ w_down[e].T [R, H] (None with push_to) and shared_out: None, or the shared expert's (gate_up [N, 2Is],
+    h [Rs, Is], o [Rs, H]) on its schedule's Rs rows; in the operands' dtype; rows past the used M-tiles are not written.
     """
     what = "fused_forward"
     inter, hidden = _check_weights(what, a_rows, schedule, w_gate, w_up, w_down, "a_rows")
-    block_m = _check_launch(what, a_rows, schedule, hidden, swiglu_limit, minibatch_rows,
-                            {"gate_up_tiles": gate_up_tiles, "down_tiles": down_tiles}, sync, pull, push_to, "a_rows")
+    block_m, shared_inter = _check_launch(what, a_rows, schedule, hidden, swiglu_limit, minibatch_rows,
+                                          {"gate_up_tiles": gate_up_tiles, "down_tiles": down_tiles}, sync, pull,
+                                          push_to, "a_rows", shared, backward=False)
     a_rows, w_gate, w_up, w_down = a_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     dtype, device = a_rows.dtype, a_rows.device
     gate_up = common.empty((schedule.num_packed, 2 * inter), dtype, device)
     h = common.empty((schedule.capacity, inter), dtype, device)
     o = common.empty((schedule.capacity, hidden), dtype, device) if push_to is None else h  # h: a placeholder
+    tma_operands = ((w_gate, 0), (w_up, 0), (w_down, 0), (a_rows, 0), (h, 0), (o, 0))
+    launch_shared = None
+    if shared is not None:
+        rows_s, capacity_s = shared.rows.contiguous(), shared.schedule.capacity
+        w_shared = tuple(w.contiguous() for w in (shared.w_gate, shared.w_up, shared.w_down))
+        launch_shared = _SharedLaunch(
+            rows_s, shared.schedule, shared_inter, w_shared[:2], (w_shared[2], w_shared[2]),
+            common.empty((shared.schedule.num_packed, 2 * shared_inter), dtype, device),
+            common.empty((capacity_s, shared_inter), dtype, device), common.empty((capacity_s, hidden), dtype, device))
+        tma_operands += ((rows_s, 0), *((w, 0) for w in w_shared), (launch_shared.h, 0), (launch_shared.o, 0))
     _launch(backward=False, a_rows=a_rows, w_first=(w_gate, w_up), w_second=(w_down, w_down), c=gate_up, h=h, o=o,
             schedule=schedule, hidden=hidden, inter=inter, swiglu_limit=swiglu_limit, first_tiles=gate_up_tiles,
             second_tiles=down_tiles, launch_tiles=gate_up_tiles, use_tma=use_tma, minibatch_rows=minibatch_rows,
             sync=sync, pull=pull, push_to=push_to, debug_waits=debug_waits, block_m=block_m,
-            tma_operands=((w_gate, 0), (w_up, 0), (w_down, 0), (a_rows, 0), (h, 0), (o, 0)))
-    return gate_up, h, (o if push_to is None else None)
+            tma_operands=tma_operands, shared=launch_shared)
+    shared_out = None if shared is None else (launch_shared.c, launch_shared.h, launch_shared.o)
+    return gate_up, h, (o if push_to is None else None), shared_out
 
 
 def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    gate_up: torch.Tensor, router_weights: torch.Tensor, schedule: Schedule,
                    swiglu_limit: float | None, dgrad_tiles: TileConfig, gate_up_dgrad_tiles: TileConfig,
                    use_tma: bool, minibatch_rows: int | None, sync: Sync, *, pull: in_gemm_pull.Pull | None = None,
-                   push_to: PeerSlots | None = None, debug_waits: bool = False):
+                   push_to: PeerSlots | None = None, shared: SharedExpert | None = None,
+                   debug_waits: bool = False):
     """The down dgrad with its SwiGLU backward and the gate/up dgrad in one persistent launch:
-    (d_gate_up, h_weighted, d_rw_partial, d_x_rows), bit for bit
+    (d_gate_up, h_weighted, d_rw_partial, d_x_rows, shared_out), bit for bit
     `triton_gemm.down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedule, swiglu_limit,
     dgrad_tiles, use_tma)` followed by `triton_gemm.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule,
     gate_up_dgrad_tiles, use_tma)`.
@@ -522,11 +670,14 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     gate_up_dgrad_tiles the two GEMMs' tiles (one BLOCK_M; num_warps and num_stages are gate_up_dgrad_tiles':
     the larger tile, whose shared memory bounds the stages). pull (EP): the first programs pull d_y's rows into
     d_y_rows, which the gate/up-dgrad-independent down weight gradient then reads too; push_to (EP): d_x's rows
-    go straight into their owners' slots and d_x_rows is not made.
+    go straight into their owners' slots and d_x_rows is not made. shared: the shared expert's two dgrads join the
+    launch (`SharedExpert` with d_y's rows and the forward's gate_up; its tasks first; router weights 1), bit for
+    bit the same two staged launches on its dense schedule.
 
     Returns d_gate_up [R, 2I], h_weighted = rw * h [R, I], the router-weight gradient's row partials fp32
-    [R, ceil(I / 16)] (`triton_gemm.sum_partials` reduces them) and d_x_rows [R, H] (None with
-    push_to); rows past the used M-tiles are not written.
+    [R, ceil(I / 16)] (`triton_gemm.sum_partials` reduces them), d_x_rows [R, H] (None with push_to) and
+    shared_out: None, or the shared expert's (d_gate_up [Rs, 2Is], h [Rs, Is], d_x [Rs, H]) on its schedule's Rs
+    rows; rows past the used M-tiles are not written.
     """
     what = "fused_backward"
     inter, hidden = _check_weights(what, d_y_rows, schedule, w_gate, w_up, w_down, "d_y_rows")
@@ -537,9 +688,9 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     if router_weights.dtype != torch.float32 or router_weights.dim() != 1 or router_weights.device != d_y_rows.device:
         raise ValueError(f"{what}: router_weights must be a 1-D float32 tensor (by source) on {d_y_rows.device}, "
                          f"got {router_weights.dtype} {list(router_weights.shape)} on {router_weights.device}")
-    block_m = _check_launch(what, d_y_rows, schedule, hidden, swiglu_limit, minibatch_rows,
-                            {"dgrad_tiles": dgrad_tiles, "gate_up_dgrad_tiles": gate_up_dgrad_tiles}, sync, pull,
-                            push_to, "d_y_rows")
+    block_m, shared_inter = _check_launch(what, d_y_rows, schedule, hidden, swiglu_limit, minibatch_rows,
+                                          {"dgrad_tiles": dgrad_tiles, "gate_up_dgrad_tiles": gate_up_dgrad_tiles},
+                                          sync, pull, push_to, "d_y_rows", shared, backward=True)
     check_d_rw_chunks(f"{what}: dgrad_tiles", dgrad_tiles.block_n, dgrad_tiles.epi_split)
     d_y_rows, w_gate, w_up, w_down = (d_y_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(),
                                       w_down.contiguous())
@@ -549,12 +700,26 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     h_weighted = common.empty((num_rows, inter), dtype, device)
     d_rw_partial = new_d_rw_partial(num_rows, inter, device)
     d_x_rows = common.empty((num_rows, hidden), dtype, device) if push_to is None else h_weighted  # a placeholder
+    tma_operands = ((w_gate, 0), (w_up, 0), (w_down, 0), (d_y_rows, 0), (d_gate_up, 0), (d_gate_up, inter),
+                    (h_weighted, 0), (d_x_rows, 0))
+    launch_shared = None
+    if shared is not None:  # router weights 1: the shared expert's rows are unweighted
+        rows_s, capacity_s = shared.rows.contiguous(), shared.schedule.capacity
+        w_gate_s, w_up_s, w_down_s = (w.contiguous() for w in (shared.w_gate, shared.w_up, shared.w_down))
+        launch_shared = _SharedLaunch(
+            rows_s, shared.schedule, shared_inter, (w_down_s, w_down_s), (w_gate_s, w_up_s),
+            common.empty((capacity_s, 2 * shared_inter), dtype, device),
+            common.empty((capacity_s, shared_inter), dtype, device), common.empty((capacity_s, hidden), dtype, device),
+            shared.gate_up.contiguous(), torch.ones(capacity_s, dtype=torch.float32, device=device),
+            new_d_rw_partial(capacity_s, shared_inter, device))
+        tma_operands += ((rows_s, 0), (w_gate_s, 0), (w_up_s, 0), (w_down_s, 0), (launch_shared.c, 0),
+                         (launch_shared.c, shared_inter), (launch_shared.h, 0), (launch_shared.o, 0))
     _launch(backward=True, a_rows=d_y_rows, w_first=(w_down, w_down), w_second=(w_gate, w_up), c=d_gate_up,
             h=h_weighted, o=d_x_rows, schedule=schedule, hidden=hidden, inter=inter, swiglu_limit=swiglu_limit,
             first_tiles=dgrad_tiles, second_tiles=gate_up_dgrad_tiles, launch_tiles=gate_up_dgrad_tiles,
             use_tma=use_tma, minibatch_rows=minibatch_rows, sync=sync, pull=pull, push_to=push_to,
-            debug_waits=debug_waits, block_m=block_m,
-            tma_operands=((w_gate, 0), (w_up, 0), (w_down, 0), (d_y_rows, 0), (d_gate_up, 0), (d_gate_up, inter),
-                          (h_weighted, 0), (d_x_rows, 0)),
-            gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous(), d_rw_partial=d_rw_partial)
-    return d_gate_up, h_weighted, d_rw_partial, (d_x_rows if push_to is None else None)
+            debug_waits=debug_waits, block_m=block_m, tma_operands=tma_operands,
+            gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous(), d_rw_partial=d_rw_partial,
+            shared=launch_shared)
+    shared_out = None if shared is None else (launch_shared.c, launch_shared.h, launch_shared.o)
+    return d_gate_up, h_weighted, d_rw_partial, (d_x_rows if push_to is None else None), shared_out

@@ -73,15 +73,32 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
                                       plan.use_tma)
 
 
+def _shared_expert(tokens, shared, schedule: Schedule) -> fused_pass.SharedExpert | None:
+    """A fused pass's `SharedExpert` from the layer's (ws_gate, ws_up, ws_down, dense schedule[, gate_up]) and
+    the tokens it reads (x forward, d_y backward), whose rows it gathers; None without one."""
+    if shared is None:
+        return None
+    ws_gate, ws_up, ws_down, shared_schedule, *gate_up = shared
+    if shared_schedule.block_m != schedule.block_m:
+        raise ValueError(f"shared: its schedule's block_m must be the routed schedule's {schedule.block_m}, got "
+                         f"{shared_schedule.block_m}")
+    return fused_pass.SharedExpert(gather_rows(tokens, shared_schedule), shared_schedule, ws_gate, ws_up, ws_down,
+                                   *gate_up)
+
+
 def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: float | None, *, plan: KernelPlan,
                  pull_from: PeerTokens | None = None, pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 push_to: PeerSlots | None = None):
+                 push_to: PeerSlots | None = None, shared=None):
     """The forward's routed GEMMs in one persistent launch (`fused_forward`, plan.fused_forward): gate_up
-    [num_packed, 2I], h [R, I] and o [R, H] (None with push_to), bit for bit `gate_up_swiglu` then `down`.
+    [num_packed, 2I], h [R, I], o [R, H] (None with push_to) and shared_out, bit for bit `gate_up_swiglu` then
+    `down`.
 
     x [N, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]. At EP=1 x's rows are gathered first. pull_from (EP): the
     owners' token buffers, pulled by plan.pull_programs programs of the launch (`pull_flags` as gate_up_swiglu's);
-    push_to (EP): the owners' slot buffers, which the down tiles write o's rows into."""
+    push_to (EP): the owners' slot buffers, which the down tiles write o's rows into. shared: (ws_gate [1, Is, H],
+    ws_up [1, Is, H], ws_down [1, H, Is], its dense schedule): the shared expert's two GEMMs join the launch (its
+    tiles first); shared_out is then its (gate_up [N, 2Is], h [Rs, Is], o [Rs, H]) on its schedule's Rs rows,
+    else None."""
     hidden, inter = w_gate.shape[2], w_gate.shape[1]
     pull = None
     if pull_from is not None:
@@ -90,11 +107,19 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
                                 schedule, hidden, inter)
     else:
         a_rows = gather_rows(x, schedule)
+    shared = _shared_expert(x, shared, schedule)
     block_m = min(plan.gate_up_tiles.block_m, schedule.block_m)
-    sync = fused_pass.new_sync(schedule.capacity // block_m, x.device)  # zeros: three small fills, no sync
+    sync = _new_sync(schedule, shared, block_m, x.device)
     return fused_pass.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit, plan.gate_up_tiles,
                                     plan.down_tiles, plan.use_tma, plan.minibatch_rows, sync, pull=pull,
-                                    push_to=push_to)
+                                    push_to=push_to, shared=shared)
+
+
+def _new_sync(schedule: Schedule, shared: fused_pass.SharedExpert | None, block_m: int, device) -> fused_pass.Sync:
+    """A fused launch's sync state for the routed and the shared expert's M-tiles (zeros: three small fills, no
+    host sync)."""
+    rows = schedule.capacity + (0 if shared is None else shared.schedule.capacity)
+    return fused_pass.new_sync(rows // block_m, device)
 
 
 def down(h, w_down, schedule: Schedule, *, plan: KernelPlan, push_to: PeerSlots | None = None):
@@ -137,14 +162,17 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
 def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_weights, schedule: Schedule,
                              swiglu_limit: float | None, *, plan: KernelPlan, pull_from: PeerTokens | None = None,
                              pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             push_to: PeerSlots | None = None):
+                             push_to: PeerSlots | None = None, shared=None):
     """The backward's routed dgrads in one persistent launch (`fused_pass.fused_backward`, plan.fused_backward):
-    d_gate_up [R, 2I], h_weighted [R, I], d_rw_rows fp32 [R] and d_x_rows [R, H] (None with push_to), bit for bit
-    `down_dgrad_swiglu` then `gate_up_dgrad` on the Triton engine.
+    d_gate_up [R, 2I], h_weighted [R, I], d_rw_rows fp32 [R], d_x_rows [R, H] (None with push_to) and shared_out,
+    bit for bit `down_dgrad_swiglu` then `gate_up_dgrad` on the Triton engine.
 
     Arguments as theirs. pull_from (EP, with pull_flags): d_y_rows is an empty [R, H] buffer that
     plan.dgrad_pull_programs (at least one) programs of the launch fill from the owners' token buffers (d_y);
-    push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots."""
+    push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots. shared: (d_y [N, H], ws_gate,
+    ws_up, ws_down, its dense schedule, its forward's gate_up [N, 2Is]): the shared expert's two dgrads join the
+    launch (its tiles first, router weights 1); shared_out is then its (d_y_rows [Rs, H], d_gate_up [Rs, 2Is],
+    h [Rs, Is], d_x_rows [Rs, H]) on its schedule's Rs rows, else None."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
     if gate_up.shape != (schedule.num_packed, 2 * inter):
         raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
@@ -153,13 +181,16 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
     if pull_from is not None:
         pull, _ = _in_gemm_pull(plan, plan.dgrad_pull_programs, plan.down_dgrad_tiles, pull_from, pull_flags,
                                 d_y_rows, schedule, hidden, inter)
+    shared = None if shared is None else _shared_expert(shared[0], shared[1:], schedule)
     block_m = min(plan.down_dgrad_tiles.block_m, schedule.block_m)
-    sync = fused_pass.new_sync(schedule.capacity // block_m, d_y_rows.device)  # zeros: three small fills, no sync
-    d_gate_up, h_weighted, d_rw_partial, d_x_rows = fused_pass.fused_backward(
+    sync = _new_sync(schedule, shared, block_m, d_y_rows.device)
+    d_gate_up, h_weighted, d_rw_partial, d_x_rows, shared_out = fused_pass.fused_backward(
         d_y_rows, w_down, w_gate, w_up, gate_up, router_weights.contiguous().view(-1).float(), schedule,
         swiglu_limit, plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, plan.use_tma, plan.minibatch_rows, sync,
-        pull=pull, push_to=push_to)
-    return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule), d_x_rows
+        pull=pull, push_to=push_to, shared=shared)
+    if shared_out is not None:
+        shared_out = (shared.rows, *shared_out)
+    return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule), d_x_rows, shared_out
 
 
 def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, *, plan: KernelPlan,
