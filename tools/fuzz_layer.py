@@ -14,7 +14,8 @@ then checks what every serval path promises:
 - FP8 (no shared expert): every output finite and within FP8_TOLERANCE of `serval.reference.moe_fp8`, the
   recipe emulated in float64 (relative error);
 - with --ep: P in {2, 3, 4} ranks on the CPU (gloo, the torch stages) bitwise equal to EP=1 on the whole batch,
-  also with a macrobatch ring of a few tokens (streamed in windows on the kernels: --backend triton).
+  also with a macrobatch ring of a few tokens (streamed in windows on the kernels: --backend triton) and with both
+  passes fused (`KernelPlan.fused_forward` / `fused_backward`, the kernels: --backend triton).
 An exception is a failure too (a kernel that does not compile, an input check that refuses a valid problem). The
 cases and failures are printed; the exit status is 1 if any case failed. A case is reproduced by its seed.
 """
@@ -164,7 +165,8 @@ def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str, b
         dtype = torch.float32 if case["precision"] == "bf16" else torch.bfloat16
         config = serval.Config(precision=case["precision"], block_m=16 if case["precision"] == "bf16" else 128,
                                recompute=case["variant"] == "recompute", macrobatch_size=case.get("macrobatch_size"),
-                               backend=backend)
+                               backend=backend, kernel_plan=KernelPlan(fused_forward=True, fused_backward=True)
+                               if case["variant"] == "fused" else None)
         per_rank, experts_per_rank = case["num_tokens"] // world_size, case["num_experts"] // world_size
         tokens = slice(rank * per_rank, (rank + 1) * per_rank)
         experts = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
@@ -212,9 +214,13 @@ def main() -> int:
         if args.ep:  # E and N divisible by P; the FP8 cases' 16-element rows
             world_size = rng.choice([2, 3, 4])
             case.update(num_experts=world_size * rng.choice([1, 2, 3]), num_tokens=world_size * case["num_tokens"],
-                        variant=rng.choice(["default", "recompute", "macrobatch"]))
-            if case["variant"] == "macrobatch":  # a ring of a few tokens: several windows on the kernels
+                        variant=rng.choice(["default", "recompute", "macrobatch", "fused"]))
+            # macrobatch: a ring of a few tokens, several windows on the kernels; fused: both passes fused (the
+            # shared expert's tiles in their launches), with such a ring or the default one
+            if case["variant"] == "macrobatch" or (case["variant"] == "fused" and rng.random() < 0.5):
                 case["macrobatch_size"] = rng.randint(1, case["num_tokens"] // world_size)
+            if case["variant"] == "fused" and case["precision"] != "bf16":
+                case["variant"] = "default"
             case["top_k"] = min(case["top_k"], case["num_experts"])
             if case["routing"] == "empty" and case["num_experts"] <= case["top_k"] + 1:
                 case["routing"] = "random"
