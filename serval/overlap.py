@@ -18,6 +18,11 @@ from typing import Mapping, Sequence
 FORWARD_TRANSFERS = 2  # x's rows in, o's rows out
 BACKWARD_TRANSFERS = 3  # d_y's rows in, x's rows in again, d_x's rows out
 
+# The communication SMs of a fused pass at EP where none are set (Config.comm_sms_* None or 0): the cost model's
+# choice, forward and backward, for every contract EP shape at EP = 8 (docs/reports/2026-12-01-ep-cost-model.md;
+# benchmarks/results/ep_model_predictions.json), a prediction that issue 23's multi-GPU run is to check.
+FUSED_COMM_SMS = 8
+
 
 def minibatch_rows(n_tiles_per_gemm: Sequence[int], compute_sms: int, block_m: int, *, waves: int = 2) -> int:
     """MoK's rule: the fewest whole M-tiles of rows for which every expert GEMM of the pass has at least `waves`

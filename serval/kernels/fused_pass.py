@@ -23,13 +23,14 @@ minibatch b's F tiles, S(b) its S tiles, and the task order is
     F(0), F(1), S(0), F(2), S(1), ..., F(nb - 1), S(nb - 2), S(nb - 1)
 
 so an S tile depends only on earlier tasks, and, one minibatch of F work having run in between, usually finds its
-rows ready. With a shared expert (`SharedExpert`, a one-expert group over the N tokens, rows = tokens) its own
-task order, the same function on its M-tiles and its first GEMM's N-tiles (one MB for both groups), comes first:
-its rows need no pull, so at EP its tiles fill the time while the routed rows arrive, and its F and S tiles run
-the same tile bodies on its own operands, bit for bit its two staged launches. Within F(b) / S(b) the tiles are in the staged kernel's order with GROUP_M = F's config's group_m (at
-most MB; MB is rounded up to a multiple of it, so minibatches start on M-group boundaries; `common.tile_coords` on
-the GEMM's own tile numbering): each GEMM's tiles are taken in exactly the order of its staged launch with that
-M-group, and the fused order interleaves the two sequences minibatch by minibatch.
+rows ready. With a shared expert (`SharedExpert`, a one-expert group over the N tokens, rows = tokens) its own task
+order, the same function on its M-tiles and its first GEMM's N-tiles (one MB for both groups), comes first: its rows
+need no pull, so at EP its tiles fill the time while the routed rows arrive, and its F and S tiles run the same tile
+bodies on its own operands, bit for bit its two staged launches. Within F(b) / S(b) the tiles are in the staged
+kernel's order with GROUP_M = F's config's group_m (at most MB; MB is rounded up to a multiple of it, so minibatches
+start on M-group boundaries; `common.tile_coords` on the GEMM's own tile numbering): each GEMM's tiles are taken in
+exactly the order of its staged launch with that M-group, and the fused order interleaves the two sequences
+minibatch by minibatch.
 
 Counter. Programs take task ids from an int32 counter with `tl.atomic_add` (integer atomics only; nothing
 floating-point is ever accumulated atomically): a program holds two ids, the task it runs and the next one, taken
@@ -37,11 +38,12 @@ when the task starts so that the counter's round trip overlaps it; it stops at t
 (a launch draws at most tasks + 2 * programs ids).
 
 Flags. An F tile, once its outputs are stored (pointer stores), fences them for the async proxy (S reads them
-through TMA), waits for its warps (`tl.debug_barrier`) and adds 1 to its M-tile's int32 flag with release
-semantics (the shared expert's M-tiles have theirs after the routed capacity's). An S tile first waits (acquire) until its M-tile's flag reaches n_first: all F N-tiles of that M-tile
-have stored their columns. The wait is bounded (`in_gemm_pull.wait_until`): after about 10 s the program traps,
-an error instead of a hang, and with `debug_waits` prints the M-tile first (off by default: a printf is a function
-call, and a call anywhere in the kernel makes ptxas serialize all its wgmma instructions).
+through TMA), waits for its warps (`tl.debug_barrier`) and adds 1 to its M-tile's int32 flag with release semantics
+(the shared expert's M-tiles have theirs after the routed capacity's). An S tile first waits (acquire) until its
+M-tile's flag reaches n_first: all F N-tiles of that M-tile have stored their columns. The wait is bounded
+(`in_gemm_pull.wait_until`): after about 10 s the program traps, an error instead of a hang, and with `debug_waits`
+prints the M-tile first (off by default: a printf is a function call, and a call anywhere in the kernel makes ptxas
+serialize all its wgmma instructions).
 
 Epochs, nothing reset between launches. `Sync.epoch` (int32 [1]) is bumped on the device before each launch (a
 stream-ordered `add_`, captured with the launch in a CUDA graph). Launch e uses counter `counters[e % 2]` and flags
@@ -55,11 +57,11 @@ a forward and a backward launch may share it.
 
 Deadlock freedom. Ids are handed out in increasing order, and a task waits only on earlier tasks (an S tile of
 M-tile m on F tiles of m, all earlier in the order, the shared expert's on its own); F tasks wait only for pulled
-rows, which programs that take no tasks publish. A program's next id is larger than its current one and becomes current as soon as the current
-finishes, so the earliest unfinished task is always some program's current task, and everything it waits on is
-earlier, hence finished: it completes, and by induction the launch progresses whether or not every program is
-resident. In Triton's CPU interpreter programs run one after another: program 0 takes every task in order (so no
-wait ever blocks) and the others find the counter exhausted.
+rows, which programs that take no tasks publish. A program's next id is larger than its current one and becomes
+current as soon as the current finishes, so the earliest unfinished task is always some program's current task, and
+everything it waits on is earlier, hence finished: it completes, and by induction the launch progresses whether or
+not every program is resident. In Triton's CPU interpreter programs run one after another: program 0 takes every
+task in order (so no wait ever blocks) and the others find the counter exhausted.
 
 Constraints: both TileConfigs must give the same BLOCK_M (min(block_m, schedule.block_m)); one launch has one
 num_warps and num_stages: the forward's gate/up config's, the backward's gate/up dgrad config's (the other GEMM's
@@ -619,9 +621,9 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     shared: the shared expert's gate/up + SwiGLU and down join the launch (`SharedExpert` with x's rows; its tasks
     first), bit for bit the same two staged launches on its dense schedule.
 
-    Returns gate_up [num_packed, 2I] (packed rows, kept for backward), h = SwiGLU(gate, up) [R, I],
-    o = h @ w_down[e].T [R, H] (None with push_to) and shared_out: None, or the shared expert's (gate_up [N, 2Is],
-    h [Rs, Is], o [Rs, H]) on its schedule's Rs rows; in the operands' dtype; rows past the used M-tiles are not written.
+    Returns gate_up [num_packed, 2I] (packed rows, kept for backward), h = SwiGLU(gate, up) [R, I], o = h @
+    w_down[e].T [R, H] (None with push_to) and shared_out: None, or the shared expert's (gate_up [N, 2Is], h [Rs,
+    Is], o [Rs, H]) on its schedule's Rs rows; in the operands' dtype; rows past the used M-tiles are not written.
     """
     what = "fused_forward"
     inter, hidden = _check_weights(what, a_rows, schedule, w_gate, w_up, w_down, "a_rows")

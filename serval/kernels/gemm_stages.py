@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ..overlap import layer_minibatch_rows
+from ..overlap import FUSED_COMM_SMS, layer_minibatch_rows
 from ..peers import PeerSlots, PeerTokens
 from ..plan import KernelPlan, TileConfig
 from ..schedule import Schedule
@@ -94,7 +94,8 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
     `down`.
 
     x [N, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]. At EP=1 x's rows are gathered first. pull_from (EP): the
-    owners' token buffers, pulled by plan.pull_programs programs of the launch (`pull_flags` as gate_up_swiglu's);
+    owners' token buffers, pulled by plan.pull_programs programs of the launch (0: `overlap.FUSED_COMM_SMS`;
+    `pull_flags` as gate_up_swiglu's);
     push_to (EP): the owners' slot buffers, which the down tiles write o's rows into. shared: (ws_gate [1, Is, H],
     ws_up [1, Is, H], ws_down [1, H, Is], its dense schedule): the shared expert's two GEMMs join the launch (its
     tiles first); shared_out is then its (gate_up [N, 2Is], h [Rs, Is], o [Rs, H]) on its schedule's Rs rows,
@@ -103,8 +104,8 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
     pull = None
     if pull_from is not None:
         a_rows = common.empty((schedule.capacity, hidden), x.dtype, x.device)
-        pull, _ = _in_gemm_pull(plan, plan.pull_programs, plan.gate_up_tiles, pull_from, pull_flags, a_rows,
-                                schedule, hidden, inter)
+        pull, _ = _in_gemm_pull(plan, plan.pull_programs or FUSED_COMM_SMS, plan.gate_up_tiles, pull_from,
+                                pull_flags, a_rows, schedule, hidden, inter)
     else:
         a_rows = gather_rows(x, schedule)
     shared = _shared_expert(x, shared, schedule)
@@ -168,7 +169,8 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
     bit for bit `down_dgrad_swiglu` then `gate_up_dgrad` on the Triton engine.
 
     Arguments as theirs. pull_from (EP, with pull_flags): d_y_rows is an empty [R, H] buffer that
-    plan.dgrad_pull_programs (at least one) programs of the launch fill from the owners' token buffers (d_y);
+    plan.dgrad_pull_programs (0: `overlap.FUSED_COMM_SMS`) programs of the launch fill from the owners' token
+    buffers (d_y);
     push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots. shared: (d_y [N, H], ws_gate,
     ws_up, ws_down, its dense schedule, its forward's gate_up [N, 2Is]): the shared expert's two dgrads join the
     launch (its tiles first, router weights 1); shared_out is then its (d_y_rows [Rs, H], d_gate_up [Rs, 2Is],
@@ -179,8 +181,8 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
                          f"(schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
     pull = None
     if pull_from is not None:
-        pull, _ = _in_gemm_pull(plan, plan.dgrad_pull_programs, plan.down_dgrad_tiles, pull_from, pull_flags,
-                                d_y_rows, schedule, hidden, inter)
+        pull, _ = _in_gemm_pull(plan, plan.dgrad_pull_programs or FUSED_COMM_SMS, plan.down_dgrad_tiles, pull_from,
+                                pull_flags, d_y_rows, schedule, hidden, inter)
     shared = None if shared is None else _shared_expert(shared[0], shared[1:], schedule)
     block_m = min(plan.down_dgrad_tiles.block_m, schedule.block_m)
     sync = _new_sync(schedule, shared, block_m, d_y_rows.device)
