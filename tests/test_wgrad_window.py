@@ -12,19 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serval.kernels import common
 from serval.schedule import CARRY_IN, CARRY_OUT, FINISH, build_schedule, windows
 
 wg = pytest.importorskip("serval.kernels.weight_grad")
-from test_kernels_wgrad import _routing  # noqa: E402  (the routings of the one-pass tests)
-
-ON_GPU = torch.cuda.is_available() and not common.INTERPRET
-if not (ON_GPU or common.INTERPRET):
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-BLOCK_M = 128 if ON_GPU else 16
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (sm_90)")
+# the one-pass tests' device, tile rows and routings (that module skips itself where the kernels cannot run)
+from test_kernels_wgrad import BLOCK_M, DEVICE, ON_GPU, _routing, gpu_only  # noqa: E402
 
 
 def _case(kind, n, k, e, p, q, dtype, block_m, seed=0):
