@@ -95,11 +95,10 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
 
     x [N, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]. At EP=1 x's rows are gathered first. pull_from (EP): the
     owners' token buffers, pulled by plan.pull_programs programs of the launch (0: `overlap.FUSED_COMM_SMS`;
-    `pull_flags` as gate_up_swiglu's);
-    push_to (EP): the owners' slot buffers, which the down tiles write o's rows into. shared: (ws_gate [1, Is, H],
-    ws_up [1, Is, H], ws_down [1, H, Is], its dense schedule): the shared expert's two GEMMs join the launch (its
-    tiles first); shared_out is then its (gate_up [N, 2Is], h [Rs, Is], o [Rs, H]) on its schedule's Rs rows,
-    else None."""
+    `pull_flags` as gate_up_swiglu's); push_to (EP): the owners' slot buffers, which the down tiles write o's rows
+    into. shared: (ws_gate [1, Is, H], ws_up [1, Is, H], ws_down [1, H, Is], its dense schedule): the shared
+    expert's two GEMMs join the launch (its tiles first); shared_out is then its (gate_up [N, 2Is], h [Rs, Is],
+    o [Rs, H]) on its schedule's Rs rows, else None."""
     hidden, inter = w_gate.shape[2], w_gate.shape[1]
     pull = None
     if pull_from is not None:
@@ -170,11 +169,10 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
 
     Arguments as theirs. pull_from (EP, with pull_flags): d_y_rows is an empty [R, H] buffer that
     plan.dgrad_pull_programs (0: `overlap.FUSED_COMM_SMS`) programs of the launch fill from the owners' token
-    buffers (d_y);
-    push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots. shared: (d_y [N, H], ws_gate,
-    ws_up, ws_down, its dense schedule, its forward's gate_up [N, 2Is]): the shared expert's two dgrads join the
-    launch (its tiles first, router weights 1); shared_out is then its (d_y_rows [Rs, H], d_gate_up [Rs, 2Is],
-    h [Rs, Is], d_x_rows [Rs, H]) on its schedule's Rs rows, else None."""
+    buffers (d_y); push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots. shared: (d_y
+    [N, H], ws_gate, ws_up, ws_down, its dense schedule, its forward's gate_up [N, 2Is]): the shared expert's two
+    dgrads join the launch (its tiles first, router weights 1); shared_out is then its (d_y_rows [Rs, H],
+    d_gate_up [Rs, 2Is], h [Rs, Is], d_x_rows [Rs, H]) on its schedule's Rs rows, else None."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
     if gate_up.shape != (schedule.num_packed, 2 * inter):
         raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
