@@ -421,14 +421,17 @@ def _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule, swiglu_lim
     return (gate_up, h, *_shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit))
 
 
-def _fused_experts(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None):
+def _fused_experts(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None,
+                   quant_block: int = 0):
     """gate_up, h and the combine's (rows, schedule) of the routed experts from one launch (`gate_up_down`,
     KernelPlan.fused_forward), and the shared expert's outputs made in it (`gate_up_down`'s shared_out; None
     without `shared`). At EP its programs pull x's rows from the owners, compute, and push o's rows into the
-    owners' slots: the launch runs inside both transport phases (slots free, tokens published)."""
+    owners' slots: the launch runs inside both transport phases (slots free, tokens published). mxfp8: x and
+    the weights are the dequantized operands (`precision.fused_forward_operands`), quant_block its block."""
     transport = _transport(workspace)
     if transport is None:
-        gate_up, h, o, shared_out = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit, shared=shared)
+        gate_up, h, o, shared_out = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit, shared=shared,
+                                                     quant_block=quant_block)
         return gate_up, h, o, schedule, shared_out
     made = {}
 
@@ -436,7 +439,7 @@ def _fused_experts(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limi
         def consume(source):
             made["gate_up"], made["h"], _, made["shared"] = ops.gate_up_down(
                 x, w_gate, w_up, w_down, schedule, swiglu_limit, pull_from=source, pull_flags=workspace.pull_flags,
-                push_to=target, shared=shared)
+                push_to=target, shared=shared, quant_block=quant_block)
         transport.pull_into(consume, x)
 
     slots = transport.push_from(write, w_down.shape[1], x.dtype)
@@ -463,29 +466,34 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     if shared is not None:
         shared_schedule = shared_schedule or dense_schedule(x.shape[0], schedule.block_m, x.device)
     shared_out = None
-    streamed = macrobatch.streams(ops, recipe, workspace)
-    fused = recipe is None and ops.fuses_forward and not streamed
-    # in a fused launch the shared expert's tiles join the routed ones (first: they need no pulled rows)
-    fused_shared = None
-    if shared is not None and recipe is None and ops.fuses_forward:
-        fused_shared = (*_shared_weights(shared), shared_schedule)
-    if streamed:  # the routed rows through the macrobatch ring, window by window; gate_up: the first window's
-        gate_up, token_rows, token_schedule, shared_made = macrobatch.forward(
-            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
-        kept = None
-    elif fused:
-        gate_up, h, token_rows, token_schedule, shared_made = _fused_experts(
-            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
-        kept = None
-    elif recipe is None:
-        gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
-                                                        swiglu_limit, workspace)
-        kept = None
-    else:
+    if recipe is not None:
         precision.check_inputs(recipe, x.dtype, w_gate.shape[1], schedule.block_m)
         if config.debug:
             for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
                 precision.check_finite(name, t)
+    streamed = macrobatch.streams(ops, recipe, workspace)
+    fuses = ops.fuses_forward and precision.fuses(recipe, w_gate.shape[1], backward=False)
+    fused = fuses and not streamed
+    # in a fused launch the shared expert's tiles join the routed ones (first: they need no pulled rows)
+    fused_shared = None
+    if shared is not None and fuses:
+        fused_shared = (x, *_shared_weights(shared), shared_schedule)
+    kept = None
+    if streamed:  # the routed rows through the macrobatch ring, window by window; gate_up: the first window's
+        gate_up, token_rows, token_schedule, shared_made = macrobatch.forward(
+            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
+    elif fused and recipe is not None:  # mxfp8: the launch reads the dequantized operands, keeps as the staged path
+        gate_up, h, token_rows, token_schedule, shared_made = _fused_experts(
+            ops, *precision.fused_forward_operands(recipe, x, w_gate, w_up, w_down, expert_weights), schedule,
+            swiglu_limit, workspace, shared=fused_shared, quant_block=recipe.block)
+        kept, gate_up = precision.keep(recipe, gate_up, h), None
+    elif fused:
+        gate_up, h, token_rows, token_schedule, shared_made = _fused_experts(
+            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
+    elif recipe is None:
+        gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
+                                                        swiglu_limit, workspace)
+    else:
         x_rows = None if transport is None else transport.pull(x, schedule.row_source)
         out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
                                       expert_weights)
@@ -503,7 +511,7 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     if recipe is None and not (fused or streamed):
         token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
                                                w_down.shape[1], h.dtype, schedule, transport)
-    elif recipe is not None:
+    elif not fused and recipe is not None:
         token_rows, token_schedule = _rows_out(out, schedule, transport)
     y = ops.combine(token_rows, router_weights, token_schedule, shared_out)
     keep = not config.recompute
@@ -560,17 +568,19 @@ def _check_shared(ctx: ForwardContext, shared) -> None:
 
 
 def _fused_dgrads(ops, d_y, row_router_weights, schedule: Schedule, gate_up, w_gate, w_up, w_down, swiglu_limit,
-                  workspace, shared=None):
+                  workspace, shared=None, quant_block: int = 0):
     """(d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x rows, their schedule), shared_made) from one launch
     (`down_dgrad_gate_up_dgrad`, KernelPlan.fused_backward; shared_made: the shared expert's dgrads from the same
     launch, its `shared_out`, None without `shared`). At EP its programs pull d_y's rows from the owners into
     d_y_rows (which the down weight gradient reads next), compute, and push d_x's rows into the owners' slots:
-    the launch runs inside both transport phases (slots free, tokens published)."""
+    the launch runs inside both transport phases (slots free, tokens published). mxfp8: d_y, gate_up and the
+    weights are the dequantized operands (`precision.fused_backward_operands`), quant_block its block."""
     transport = _transport(workspace)
     if transport is None:
         d_y_rows = ops.gather(d_y, schedule)
         d_gate_up, h_weighted, d_rw_rows, d_x_rows, shared_made = ops.down_dgrad_gate_up_dgrad(
-            d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule, swiglu_limit, shared=shared)
+            d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule, swiglu_limit, shared=shared,
+            quant_block=quant_block)
         return d_y_rows, d_gate_up, h_weighted, d_rw_rows, (d_x_rows, schedule), shared_made
     d_y_rows = torch.empty(schedule.capacity, d_y.shape[1], dtype=d_y.dtype, device=d_y.device)
     made = {}
@@ -580,7 +590,7 @@ def _fused_dgrads(ops, d_y, row_router_weights, schedule: Schedule, gate_up, w_g
             made["d_gate_up"], made["h_weighted"], made["d_rw_rows"], _, made["shared"] = \
                 ops.down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, row_router_weights, schedule,
                                              swiglu_limit, pull_from=source, pull_flags=workspace.pull_flags,
-                                             push_to=target, shared=shared)
+                                             push_to=target, shared=shared, quant_block=quant_block)
         transport.pull_into(consume, d_y)
 
     slots = transport.push_from(write, w_gate.shape[2], d_y.dtype)
@@ -672,7 +682,8 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
         raise ValueError(f"serval.functional.backward: the forward context was made in {made}, not "
                          f"{config.precision}: pass the Config of the forward")
     shared_d_x = shared_grads = fused_shared = None
-    if shared is not None and recipe is None and ops.fuses_backward:  # its dgrads join the routed fused launch
+    fuses = ops.fuses_backward and precision.fuses(recipe, w_gate.shape[1], backward=True)
+    if shared is not None and fuses:  # its dgrads join the routed fused launch
         fused_shared = (d_y, *_shared_weights(shared), ctx.shared_schedule, ctx.shared_gate_up)
     elif shared is not None:  # the shared expert: every local token once, rows = tokens, never moved
         ones = torch.ones(x.shape[0], 1, device=x.device, dtype=router_weights.dtype)
@@ -694,6 +705,30 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
             ops, d_y, x, router_weights, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down,
             ctx.swiglu_limit, workspace, shared_d_x, weight_grads, fused_shared, shared_weight_grads)
         shared_grads = fused_shared_grads or shared_grads
+    elif fuses:  # mxfp8: both dgrads in one launch on the dequantized operands, the weight gradients as staged
+        if config.debug:
+            precision.check_finite("d_y", d_y)
+        schedule = ctx.schedule
+        d_y_deq, down_t, gate_t, up_t, gate_up = precision.fused_backward_operands(recipe, d_y, ctx.kept, w_gate, w_up,
+                                                                                 w_down, expert_weights)
+        _, d_gate_up, _, d_rw_rows, d_x_rows, shared_made = _fused_dgrads(
+            ops, d_y_deq, row_router_weights, schedule, gate_up, gate_t, up_t, down_t, ctx.swiglu_limit, workspace,
+            fused_shared, quant_block=recipe.block)
+        del d_y_deq, gate_up
+        if shared_made is not None:
+            shared_d_x, shared_grads = _shared_after_fused_dgrads(ops, x, shared_made, ctx.shared_schedule,
+                                                                  shared_weight_grads)
+        d_x = ops.sum_slots(*d_x_rows, shared_d_x)
+        del d_x_rows
+        d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
+        # the weight gradients quantize d_y's and x's own rows (at EP pulled by every rank, whatever its weights need)
+        d_y_rows, x_rows = (None, None) if transport is None else (transport.pull(d_y, schedule.row_source),
+                                                                   transport.pull(x, schedule.row_source))
+        d_w_gate = d_w_up = d_w_down = None
+        if weight_grads:
+            row_rw = stages.row_weights(row_router_weights, schedule).float()
+            d_w_gate, d_w_up, d_w_down = precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up,
+                                                                       ctx.kept, row_rw, schedule, w_gate.shape[1])
     else:
         if config.debug:
             precision.check_finite("d_y", d_y)

