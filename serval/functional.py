@@ -484,7 +484,8 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
             ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
     elif fused and recipe is not None:  # mxfp8: the launch reads the dequantized operands, keeps as the staged path
         gate_up, h, token_rows, token_schedule, shared_made = _fused_experts(
-            ops, *precision.fused_forward_operands(recipe, x, w_gate, w_up, w_down, expert_weights), schedule,
+            ops, *precision.fused_forward_operands(recipe, x, w_gate, w_up, w_down, expert_weights,
+                                                   at_ep=transport is not None), schedule,
             swiglu_limit, workspace, shared=fused_shared, quant_block=recipe.block)
         kept, gate_up = precision.keep(recipe, gate_up, h), None
     elif fused:
@@ -574,7 +575,8 @@ def _fused_dgrads(ops, d_y, row_router_weights, schedule: Schedule, gate_up, w_g
     launch, its `shared_out`, None without `shared`). At EP its programs pull d_y's rows from the owners into
     d_y_rows (which the down weight gradient reads next), compute, and push d_x's rows into the owners' slots:
     the launch runs inside both transport phases (slots free, tokens published). mxfp8: d_y, gate_up and the
-    weights are the dequantized operands (`precision.fused_backward_operands`), quant_block its block."""
+    weights as `precision.fused_backward_operands` makes them, quant_block its block (at EP d_y_rows are then the
+    rows as pulled, which the launch round-trips for the dgrad)."""
     transport = _transport(workspace)
     if transport is None:
         d_y_rows = ops.gather(d_y, schedule)
@@ -709,21 +711,25 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
         if config.debug:
             precision.check_finite("d_y", d_y)
         schedule = ctx.schedule
-        d_y_deq, down_t, gate_t, up_t, gate_up = precision.fused_backward_operands(recipe, d_y, ctx.kept, w_gate, w_up,
-                                                                                 w_down, expert_weights)
-        _, d_gate_up, _, d_rw_rows, d_x_rows, shared_made = _fused_dgrads(
-            ops, d_y_deq, row_router_weights, schedule, gate_up, gate_t, up_t, down_t, ctx.swiglu_limit, workspace,
+        d_y_in, down_t, gate_t, up_t, gate_up = precision.fused_backward_operands(
+            recipe, d_y, ctx.kept, w_gate, w_up, w_down, expert_weights, at_ep=transport is not None)
+        d_y_rows, d_gate_up, _, d_rw_rows, d_x_rows, shared_made = _fused_dgrads(
+            ops, d_y_in, row_router_weights, schedule, gate_up, gate_t, up_t, down_t, ctx.swiglu_limit, workspace,
             fused_shared, quant_block=recipe.block)
-        del d_y_deq, gate_up
+        del d_y_in, gate_up
         if shared_made is not None:
             shared_d_x, shared_grads = _shared_after_fused_dgrads(ops, x, shared_made, ctx.shared_schedule,
                                                                   shared_weight_grads)
         d_x = ops.sum_slots(*d_x_rows, shared_d_x)
         del d_x_rows
         d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)
-        # the weight gradients quantize d_y's and x's own rows (at EP pulled by every rank, whatever its weights need)
-        d_y_rows, x_rows = (None, None) if transport is None else (transport.pull(d_y, schedule.row_source),
-                                                                   transport.pull(x, schedule.row_source))
+        # the weight gradients quantize d_y's and x's own rows along tokens: at EP=1 read through the schedule; at EP
+        # d_y's as the launch pulled them, x's pulled now (by every rank, whatever its weights need)
+        x_rows = None
+        if transport is None:
+            d_y_rows = None
+        else:
+            x_rows = transport.pull(x, schedule.row_source)
         d_w_gate = d_w_up = d_w_down = None
         if weight_grads:
             row_rw = stages.row_weights(row_router_weights, schedule).float()

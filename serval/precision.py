@@ -274,12 +274,14 @@ def fuses(recipe: Recipe | None, inter: int, backward: bool) -> bool:
     return recipe.fused_passes and not (backward and inter % recipe.block)
 
 
-def fused_forward_operands(recipe: Recipe, x, w_gate, w_up, w_down, made: ExpertWeights | None = None):
-    """A fused forward's operands (`fuses`): x [N, H] quantized along H and dequantized (row blocks: the rows the
-    launch gathers or pulls are, bit for bit, the staged path's rows quantized after the pull) and w_gate, w_up,
-    w_down as the forward GEMMs read them (made, or quantized here)."""
+def fused_forward_operands(recipe: Recipe, x, w_gate, w_up, w_down, made: ExpertWeights | None, at_ep: bool):
+    """A fused forward's operands (`fuses`): the tokens the launch reads, and w_gate, w_up, w_down as the forward
+    GEMMs read them (made, or quantized here). At EP=1 the tokens x [N, H] quantized along H and dequantized, whose
+    gathered rows are, bit for bit, the staged path's (row blocks); at EP x itself: the launch's pull programs
+    round-trip each row they pull (`fused_pass` quant_block)."""
     gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
-    return recipe.rows(x)[1], gate_w, up_w, made.down if made is not None else recipe.weight(w_down, 2)
+    return (x if at_ep else recipe.rows(x)[1], gate_w, up_w,
+            made.down if made is not None else recipe.weight(w_down, 2))
 
 
 def keep(recipe: Recipe, gate_up, h) -> Kept:
@@ -287,12 +289,13 @@ def keep(recipe: Recipe, gate_up, h) -> Kept:
     return Kept(recipe.rows(gate_up, keep=True)[0], recipe.tokens(h, keep=True)[0])
 
 
-def fused_backward_operands(recipe: Recipe, d_y, kept: Kept, w_gate, w_up, w_down, made: ExpertWeights | None = None):
-    """A fused backward's operands (`fuses`): d_y [N, H] quantized along H and dequantized (as x forward), w_down,
-    w_gate, w_up as the dgrads read them, and the kept pre-activations dequantized."""
+def fused_backward_operands(recipe: Recipe, d_y, kept: Kept, w_gate, w_up, w_down, made: ExpertWeights | None,
+                            at_ep: bool):
+    """A fused backward's operands (`fuses`): the tokens the launch reads (d_y [N, H] as `fused_forward_operands`
+    takes x), w_down, w_gate, w_up as the dgrads read them, and the kept pre-activations dequantized."""
     gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
     down_t = made.down_t if made is not None else recipe.weight(w_down, 1)
-    return recipe.rows(d_y)[1], down_t, gate_t, up_t, dequantize(kept.gate_up, d_y.dtype)
+    return (d_y if at_ep else recipe.rows(d_y)[1], down_t, gate_t, up_t, dequantize(kept.gate_up, d_y.dtype))
 
 
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit,

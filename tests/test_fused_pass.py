@@ -25,7 +25,7 @@ os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
 
 from conftest import check_sync_free_and_graph_replay  # noqa: E402
 from sm90 import compile_in_child  # noqa: E402
-from serval.kernels import common, fused_pass as ff, rows, triton_gemm  # noqa: E402
+from serval.kernels import common, fused_pass as ff, in_gemm_pull, rows, triton_gemm  # noqa: E402
 from serval.ops import quantize  # noqa: E402
 from serval.plan import KernelPlan, TileConfig  # noqa: E402
 from serval.schedule import build_schedule, dense_schedule  # noqa: E402
@@ -525,6 +525,52 @@ def test_mxfp8_fused_backward_equals_staged(routing, minibatch, limit):
                             quant_block=32)[:4]
     assert_bitwise(got, staged_mxfp8_backward(case, limit), BACKWARD_NAMES)
     check_backward_written(got, case["schedule"])
+
+
+def peer_tokens(tokens, top_k, world_size=2):
+    """tokens [N, H] split over `world_size` virtual ranks' token buffers (each padded with NaN tokens no source
+    maps to): (the PeerTokens a pull reads, the buffers to keep alive)."""
+    from serval.peers import PeerTokens
+
+    per_rank = -(-tokens.shape[0] // world_size) + 1
+    padded = torch.full((world_size * per_rank, tokens.shape[1]), float("nan"), dtype=tokens.dtype,
+                        device=tokens.device)
+    padded[: tokens.shape[0]] = tokens
+    buffers = [padded[p * per_rank:(p + 1) * per_rank].clone() for p in range(world_size)]
+    table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=tokens.device)
+    return PeerTokens(table, per_rank, top_k, tokens.shape[1], tokens.dtype, False), buffers
+
+
+@pytest.mark.parametrize("routing", ["random", "one_token"])
+def test_mxfp8_fused_passes_pull_and_round_trip_their_rows(routing):
+    """At EP (two virtual ranks' token buffers, 1 pull program) with quant_block: the pull programs round-trip the
+    rows they pull; both passes bit for bit the staged mxfp8 path on the rows quantized after the pull, and the
+    backward keeps d_y's rows as pulled in d_y_rows (the weight gradients quantize them along tokens)."""
+    case = backward_case(routing, 0.5, inter=64)
+    schedule = case["schedule"]
+    d_y = torch.randn(case["x"].shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    d_y_rows = rows.gather(d_y, schedule)
+    want_forward = staged_mxfp8({**case, "a_rows": mx(case["a_rows"])}, 0.5)
+    want_backward = staged_mxfp8_backward({**case, "d_y_rows": mx(d_y_rows)}, 0.5)
+    sync = ff.new_sync(schedule.capacity // BLOCK_M, DEVICE)
+
+    def pull(tokens):
+        source, buffers = peer_tokens(tokens, schedule.top_k)
+        return in_gemm_pull.Pull(source, 1, 32, *in_gemm_pull.new_flags(schedule.capacity // BLOCK_M, DEVICE)), \
+            buffers
+
+    x_pull, _x_buffers = pull(case["x"])
+    got = ff.fused_forward(torch.empty_like(case["a_rows"]), case["w_gate"], case["w_up"], case["w_down"], schedule,
+                           0.5, TILES, TILES, True, None, sync, pull=x_pull, quant_block=32)[:3]
+    assert_bitwise(got, want_forward)
+    d_y_pull, _d_y_buffers = pull(d_y)
+    pulled = torch.empty_like(d_y_rows)
+    got = ff.fused_backward(pulled, case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+                            case["router_weights"], schedule, 0.5, MX_DGRAD_TILES, TILES, True, None, sync,
+                            pull=d_y_pull, quant_block=32)[:4]
+    assert_bitwise(got, want_backward, BACKWARD_NAMES)
+    used = int(schedule.expert_offsets[-1])
+    assert torch.equal(bits(pulled[:used]), bits(d_y_rows[:used])), "d_y_rows: not the rows as pulled"
 
 
 def test_mxfp8_argument_errors():

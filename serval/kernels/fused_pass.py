@@ -204,8 +204,10 @@ def _fused_pass_kernel(
     HIDDEN, INTER, swiglu_limit,
     # Sync: counters int32 [2], flags int32 [2, num_flags], epoch int32 [1]
     counters_ptr, flags_ptr, num_flags, epoch_ptr,
-    # PULL_PROGRAMS (EP): the owners' token buffers (an int64 address per rank), flags per M-tile, the epoch
-    top_k, pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr,
+    # PULL_PROGRAMS (EP): the owners' token buffers (an int64 address per rank), flags per M-tile, the epoch; with
+    # QUANT_BLOCK the pull programs write A's rows round-tripped, and with KEEP_PULLED the rows as pulled into
+    # pulled_ptr [R, H]
+    top_k, pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr, pulled_ptr,
     # PUSH (EP): the owners' slot buffers [slots_per_rank, H] (an int64 address per rank)
     push_table_ptr, push_slots_per_rank,
     # HAS_SHARED: the shared expert's two GEMMs, as the routed ones with one expert: its rows (forward x's,
@@ -223,7 +225,7 @@ def _fused_pass_kernel(
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PROXY_FENCE: tl.constexpr,
     PRINT_TIMEOUTS: tl.constexpr, PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr,
     PULL_BLOCK_C: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr, HAS_SHARED: tl.constexpr,
-    QUANT_BLOCK: tl.constexpr,
+    QUANT_BLOCK: tl.constexpr, KEEP_PULLED: tl.constexpr,
 ):
     # the pass's two GEMMs as `triton_gemm._gemm_tile` variants (the staged stages' own arguments)
     FIRST_EPILOGUE: tl.constexpr = "swiglu_bwd" if BACKWARD else "swiglu_fwd"
@@ -281,8 +283,8 @@ def _fused_pass_kernel(
         pull_epoch = tl.load(pull_epoch_ptr)
         if pid < PULL_PROGRAMS:
             in_gemm_pull.pull_tiles(pull_table_ptr, row_source_ptr, a_ptr, HIDDEN, pull_flags_ptr, pull_epoch,
-                                    num_m_tiles, pull_slots_per_rank, top_k, HIDDEN, BLOCK_M, PULL_BLOCK_C,
-                                    PULL_PROGRAMS, PULL_ALIGNED, PROXY_FENCE)
+                                    num_m_tiles, pull_slots_per_rank, top_k, HIDDEN, pulled_ptr, BLOCK_M,
+                                    PULL_BLOCK_C, PULL_PROGRAMS, PULL_ALIGNED, PROXY_FENCE, QUANT_BLOCK, KEEP_PULLED)
     else:
         pull_epoch = 0
     # pull programs take no task ids: they start past the last one
@@ -559,9 +561,11 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
             swiglu_limit, first_tiles: TileConfig, second_tiles: TileConfig, launch_tiles: TileConfig,
             use_tma: bool, minibatch_rows, sync: Sync, pull, push_to, debug_waits: bool, block_m: int,
             tma_operands, gate_up=None, router_weights=None, d_rw_partial=None, shared: _SharedLaunch | None = None,
-            deq=None, quant_block: int = 0):
+            deq=None, quant_block: int = 0, pulled=None):
     """One launch of `_fused_pass_kernel` (arguments checked by the callers); launch_tiles: whose num_warps and
-    num_stages the launch takes; deq: with quant_block, the second GEMM's A (the first's output round-tripped)."""
+    num_stages the launch takes; deq: with quant_block, the second GEMM's A (the first's output round-tripped);
+    pulled: with quant_block and pull, where the pull programs keep the rows as pulled (a_rows gets them
+    round-tripped)."""
     device = a_rows.device
     if use_tma:
         use_tma = _tma_compatible(*tma_operands)
@@ -583,14 +587,14 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
                                                              shared.d_rw_partial)),
                        shared.inter, capacity_m_tiles)
     num_programs = max(1, min(common.num_sms(device.index), max_tasks))
-    pull_programs, pull_args, pull_block_c = 0, (0, h, 0, h, h), 16
+    pull_programs, pull_args, pull_block_c = 0, (0, h, 0, h, h, h), 16
     if pull is not None:
         num_programs = common.num_sms(device.index)  # every program resident at once, the pull programs first
         pull_programs = max(1, min(pull.programs, num_programs - 1))
         pull.epoch.add_(1)
         pull_args = (pull.source.top_k, pull.source.table, pull.source.num_tokens * pull.source.top_k, pull.flags,
-                     pull.epoch)
-        pull_block_c = min(pull.block_c, triton.next_power_of_2(hidden))
+                     pull.epoch, pulled if pulled is not None else h)
+        pull_block_c = max(min(pull.block_c, triton.next_power_of_2(hidden)), quant_block)  # whole blocks a step
     if max_tasks + 2 * num_programs >= 2**31:
         raise ValueError(f"fused pass: {max_tasks} tasks do not fit the int32 task counter")
     # one minibatch size for both expert groups; clamped only where one minibatch holds every M-tile of both
@@ -622,7 +626,7 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=debug_waits or common.INTERPRET,
         PULL_PROGRAMS=pull_programs, PULL_ALIGNED=pull is not None and pull.source.aligned, PULL_BLOCK_C=pull_block_c,
         PUSH=push_to is not None, PUSH_ALIGNED=push_to is not None and push_to.aligned, HAS_SHARED=shared is not None,
-        QUANT_BLOCK=quant_block, num_warps=launch_tiles.num_warps, num_stages=launch_tiles.num_stages,
+        QUANT_BLOCK=quant_block, KEEP_PULLED=pulled is not None, num_warps=launch_tiles.num_warps, num_stages=launch_tiles.num_stages,
     )
 
 
@@ -657,7 +661,9 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     quant_block = 32 (mxfp8, bf16 operands that the caller has quantized and dequantized along K: a_rows and the
     weights): the down GEMM reads h quantized along I in blocks of 32 with E8M0 scales and dequantized (the gate/up
     tiles' epilogue makes it beside h), as the staged mxfp8 forward's `down(quantize(h)...)`; the routed GEMMs
-    only (the shared expert stays in bf16); gate_up_tiles' epilogue chunks a multiple of 32 columns.
+    only (the shared expert stays in bf16); gate_up_tiles' epilogue chunks a multiple of 32 columns. With pull the
+    token buffers hold x as it is and the pull programs round-trip each pulled row into a_rows (row blocks: the
+    same bits as rows quantized after the pull).
 
     Returns gate_up [num_packed, 2I] (packed rows, kept for backward), h = SwiGLU(gate, up) [R, I], o = h @
     w_down[e].T [R, H] (None with push_to) and shared_out: None, or the shared expert's (gate_up [N, 2Is], h [Rs,
@@ -719,7 +725,8 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     quantized and dequantized along K by the caller, gate_up the dequantized kept pre-activations): the gate/up
     dgrad reads d_gate_up quantized along 2I in blocks of 32 (E8M0) and dequantized, made by the dgrad tiles'
     epilogue beside d_gate_up, as the staged mxfp8 backward; routed GEMMs only; I and dgrad_tiles' epilogue
-    chunks multiples of 32.
+    chunks multiples of 32. With pull the token buffers hold d_y as it is: d_y_rows gets the rows as pulled (which
+    the weight gradients quantize along tokens) and the dgrad reads them round-tripped by the pull programs.
 
     Returns d_gate_up [R, 2I], h_weighted = rw * h [R, I], the router-weight gradient's row partials fp32
     [R, ceil(I / 16)] (`triton_gemm.sum_partials` reduces them), d_x_rows [R, H] (None with push_to) and
@@ -749,7 +756,9 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     d_rw_partial = new_d_rw_partial(num_rows, inter, device)
     d_x_rows = common.empty((num_rows, hidden), dtype, device) if push_to is None else h_weighted  # a placeholder
     d_gate_up_deq = common.empty((num_rows, 2 * inter), dtype, device) if quant_block else None
-    tma_operands = ((w_gate, 0), (w_up, 0), (w_down, 0), (d_y_rows, 0), (d_gate_up, 0), (d_gate_up, inter),
+    # mxfp8 at EP: the pull programs keep the rows as pulled in d_y_rows and write the dgrad's A round-tripped
+    a_rows = common.empty((num_rows, hidden), dtype, device) if quant_block and pull is not None else d_y_rows
+    tma_operands = ((w_gate, 0), (w_up, 0), (w_down, 0), (a_rows, 0), (d_gate_up, 0), (d_gate_up, inter),
                     (h_weighted, 0), (d_x_rows, 0)) + (((d_gate_up_deq, 0), (d_gate_up_deq, inter)) if quant_block
                                                        else ())
     launch_shared = None
@@ -764,12 +773,13 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
             new_d_rw_partial(capacity_s, shared_inter, device))
         tma_operands += ((rows_s, 0), (w_gate_s, 0), (w_up_s, 0), (w_down_s, 0), (launch_shared.c, 0),
                          (launch_shared.c, shared_inter), (launch_shared.h, 0), (launch_shared.o, 0))
-    _launch(backward=True, a_rows=d_y_rows, w_first=(w_down, w_down), w_second=(w_gate, w_up), c=d_gate_up,
+    _launch(backward=True, a_rows=a_rows, w_first=(w_down, w_down), w_second=(w_gate, w_up), c=d_gate_up,
             h=h_weighted, o=d_x_rows, schedule=schedule, hidden=hidden, inter=inter, swiglu_limit=swiglu_limit,
             first_tiles=dgrad_tiles, second_tiles=gate_up_dgrad_tiles, launch_tiles=gate_up_dgrad_tiles,
             use_tma=use_tma, minibatch_rows=minibatch_rows, sync=sync, pull=pull, push_to=push_to,
             debug_waits=debug_waits, block_m=block_m, tma_operands=tma_operands,
             gate_up=gate_up.contiguous(), router_weights=router_weights.contiguous(), d_rw_partial=d_rw_partial,
-            shared=launch_shared, deq=d_gate_up_deq, quant_block=quant_block)
+            shared=launch_shared, deq=d_gate_up_deq, quant_block=quant_block,
+            pulled=d_y_rows if a_rows is not d_y_rows else None)
     shared_out = None if shared is None else (launch_shared.c, launch_shared.h, launch_shared.o)
     return d_gate_up, h_weighted, d_rw_partial, (d_x_rows if push_to is None else None), shared_out

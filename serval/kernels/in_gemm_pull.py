@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .. import peers
 from ..peers import PeerTokens
+from . import quantize
 
 
 class Pull(NamedTuple):
@@ -48,10 +49,13 @@ def new_flags(num_m_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, num_m_tiles, slots_per_rank, top_k, K,
-               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PULL_PROGRAMS: tl.constexpr, ALIGNED: tl.constexpr,
-               PROXY_FENCE: tl.constexpr):
+               raw_ptr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PULL_PROGRAMS: tl.constexpr,
+               ALIGNED: tl.constexpr, PROXY_FENCE: tl.constexpr, QUANT_BLOCK: tl.constexpr, KEEP_RAW: tl.constexpr):
     """A communication program: M-tiles p, p + PULL_PROGRAMS, ... of A pulled from the owners' token buffers
-    (zeros on padding rows), each published with flag = epoch once all its rows are stored."""
+    (zeros on padding rows), each published with flag = epoch once all its rows are stored. QUANT_BLOCK > 0
+    (mxfp8, `fused_pass`): A gets the rows quantized in (1, QUANT_BLOCK) E8M0 blocks and dequantized
+    (`quantize.e8m0_round_trip`; BLOCK_C a multiple of the block), and with KEEP_RAW raw_ptr (A's layout) the rows
+    as pulled."""
     for m_tile in range(tl.program_id(0), num_m_tiles, PULL_PROGRAMS):
         rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         source = tl.load(row_source_ptr + rows).to(tl.int64)
@@ -61,7 +65,12 @@ def pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, num
         for c0 in range(0, K, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             values = tl.load(peer[:, None] + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
-            tl.store(a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :], values, mask=(cols < K)[None, :])
+            offsets = rows.to(tl.int64)[:, None] * stride_a + cols[None, :]
+            if QUANT_BLOCK > 0:
+                if KEEP_RAW:
+                    tl.store(raw_ptr + offsets, values, mask=(cols < K)[None, :])
+                values = quantize.e8m0_round_trip(values, QUANT_BLOCK)
+            tl.store(a_ptr + offsets, values, mask=(cols < K)[None, :])
         if PROXY_FENCE:  # the compute programs read these rows with TMA (the async proxy): order them for it
             tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()  # every thread's stores are done before the flag's release

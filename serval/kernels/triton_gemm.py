@@ -387,8 +387,8 @@ def _grouped_gemm_kernel(
         epoch = tl.load(pull_epoch_ptr)
         if tl.program_id(0) < PULL_PROGRAMS:
             in_gemm_pull.pull_tiles(pull_table_ptr, row_source_ptr, a_ptr, stride_a, pull_flags_ptr, epoch, num_m_tiles,
-                                    pull_slots_per_rank, top_k, K, BLOCK_M, PULL_BLOCK_C, PULL_PROGRAMS, PULL_ALIGNED,
-                                    PROXY_FENCE)
+                                    pull_slots_per_rank, top_k, K, a_ptr, BLOCK_M, PULL_BLOCK_C, PULL_PROGRAMS,
+                                    PULL_ALIGNED, PROXY_FENCE, 0, False)
         first_tile = tl.where(tl.program_id(0) < PULL_PROGRAMS, num_tiles, tl.program_id(0) - PULL_PROGRAMS)
     for tile_id in tl.range(first_tile, num_tiles, NUM_PROGRAMS - PULL_PROGRAMS, flatten=FLATTEN):
         m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
