@@ -611,10 +611,17 @@ from serval.schedule import build_schedule, dense_schedule
 
 hidden, inter, E, N = int(sys.argv[1]), int(sys.argv[2]), 4, 256
 backward, with_shared = sys.argv[3].startswith("backward"), sys.argv[3].endswith("shared")
-quant_block = 32 if sys.argv[3].endswith("mxfp8") else 0
+quant_block = 32 if "mxfp8" in sys.argv[3] else 0
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
+pull = None
+if sys.argv[3].endswith("_ep"):  # 8 pull programs read two ranks' token buffers (a compile: never run)
+    from serval.kernels import in_gemm_pull
+    from serval.peers import PeerTokens
+    source = PeerTokens(torch.zeros(2, dtype=torch.int64), N // 2, 2, hidden, torch.bfloat16, True)
+    pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c,
+                             *in_gemm_pull.new_flags(schedule.capacity // 128, "cpu"))
 rows, w_gate, w_up = (torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
                       torch.zeros(E, inter, hidden, **bf16))
 w_down = torch.zeros(E, hidden, inter, **bf16)
@@ -628,18 +635,18 @@ if backward:
     launch = lambda: ff.fused_backward(
         rows, w_down, w_gate, w_up, torch.zeros(schedule.num_packed, 2 * inter, **bf16), torch.zeros(2 * N), schedule,
         7.0, quant_tiles(plan.down_dgrad_tiles, quant_block), plan.gate_up_dgrad_tiles, True, None, sync,
-        shared=shared, quant_block=quant_block)
+        shared=shared, quant_block=quant_block, pull=pull)
 else:
     launch = lambda: ff.fused_forward(rows, w_gate, w_up, w_down, schedule, 7.0,
                                       quant_tiles(plan.gate_up_tiles, quant_block), plan.down_tiles, True, None, sync,
-                                      shared=shared, quant_block=quant_block)
+                                      shared=shared, quant_block=quant_block, pull=pull)
 compile_launch_in_this_child(ff, "_fused_pass_kernel", launch, sys.argv[4])
 """
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests run the kernel itself")
 @pytest.mark.parametrize("direction", ["forward", "backward", "forward_shared", "backward_shared", "forward_mxfp8",
-                                       "backward_mxfp8"])
+                                       "backward_mxfp8", "forward_mxfp8_ep", "backward_mxfp8_ep"])
 def test_compiles_for_sm90a(direction, tmp_path):
     """The fused kernel with the plan's Hopper tiles compiles for sm_90a, its shared memory fits a block (227 KB),
     ptxas spills nothing and keeps the wgmma pipelined (no function call in the kernel: no C7510 warning). Forward:
@@ -647,14 +654,16 @@ def test_compiles_for_sm90a(direction, tmp_path):
     backward: the dgrad 128 x 128 x 64 with its SwiGLU-backward epilogue in 4 chunks, the gate/up dgrad
     128 x 256 x 64 over the split K, the latter's 8 warps and 3 stages for both; "_shared": with the shared
     expert's tiles too (the same tile bodies, on its operands); "_mxfp8": quant_block 32 (the first GEMM's
-    epilogue also round-trips its output through E8M0 blocks). In a child process:
+    epilogue also round-trips its output through E8M0 blocks); "_ep": with 8 pull programs, which round-trip the rows
+    they pull. In a child process:
     TRITON_INTERPRET=1 here makes serval's helpers interpreter functions. (On H, I that are not multiples of 16,
     320 x 200, the gate/up tiles spill some 300 bytes, in the staged kernel as here.)"""
     shared, report = compile_in_child(COMPILE_CHILD, [512, 256, direction], tmp_path)
     assert shared <= 232448, f"{shared} bytes of shared memory"
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    # the backward's E8M0 round trip of d_gate and d_up: 8 bytes (2 registers) spill under Triton 3.9's ptxas
-    assert spilled <= (16 if direction.endswith("mxfp8") else 0), report
+    # mxfp8, under Triton 3.9's ptxas: the backward's round trip of d_gate and d_up spills 8 bytes (2 registers),
+    # with the pull programs' round trip of the pulled rows 28
+    assert spilled <= {"backward_mxfp8": 8, "backward_mxfp8_ep": 28}.get(direction, 0), report
     assert "C7510" not in report, report  # wgmma serialized
 
 
