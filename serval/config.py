@@ -38,16 +38,18 @@ class Config:
         pull kernel runs before the GEMM (the staged path); None: the kernel plan's choice
         (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: the forward's staged pull measured
         faster at EP=2, a measurement to repeat (docs/DESIGN.md); the backward's in-GEMM pull is not measured).
-        Nothing to move at EP=1, on the torch stages or in FP8 (whose rows are pulled, then quantized): no effect
-        there. A fused pass (`KernelPlan.fused_forward` / `fused_backward`) always pulls its own rows: there None
-        and 0 mean `serval.overlap.FUSED_COMM_SMS` (8, the EP cost model's choice). Never changes results (a
+        Nothing to move at EP=1, on the torch stages or in a staged FP8 pass (whose rows are pulled, then
+        quantized): no effect there. A fused pass (`KernelPlan.fused_forward` / `fused_backward`, bf16 or mxfp8)
+        always pulls its own rows: there None and 0 mean `serval.overlap.FUSED_COMM_SMS` (8, the EP cost model's
+        choice). Never changes results (a
         backward that pulls in the down dgrad runs it on the Triton engine, which gives the ping-pong engine's bits,
         d_router_weights included: `serval.plan`).
     minibatch_size: rows per compute/communication overlap step, a multiple of block_m: in a GEMM that pulls
         its rows (comm_sms_* > 0), the compute programs take every output tile of one minibatch's rows before
-        the next minibatch's (while that one arrives); None: MoK's rule, two full waves of tiles on the compute
-        SMs (`serval.overlap.layer_minibatch_rows`). No effect where nothing is pulled in a GEMM. Never changes
-        results.
+        the next minibatch's (while that one arrives); in a fused pass, the minibatch of its task order (EP=1
+        included: the second GEMM's tiles of a minibatch follow the first GEMM's of the next); None: MoK's rule,
+        two full waves of tiles on the compute SMs (`serval.overlap.layer_minibatch_rows`). No effect elsewhere.
+        Never changes results.
     macrobatch_size: at expert parallelism, the size of the macrobatch ring in tokens: the routed rows a rank
         computes stream through a fixed buffer of macrobatch_size * top_k rows (rounded up to whole block_m
         tiles), window after window in row order (`serval.schedule.windows`), so a rank that receives more rows

@@ -97,15 +97,17 @@ class KernelPlan:
     programs, the rows whose every output tile the compute programs take before the next rows' (the tile
     order's M-group, so one minibatch computes while the next arrives); None: MoK's rule, two full waves of
     tiles on the compute SMs (`serval.overlap.layer_minibatch_rows`).
-    `fused_forward`: in bf16 the forward's routed gate/up and down GEMMs run as one persistent launch
-    (`serval.kernels.fused_pass`, the Triton tiles above, minibatch_rows its task order's minibatch); at EP its
+    `fused_forward`: in bf16 and mxfp8 the forward's routed gate/up and down GEMMs run as one persistent launch
+    (`serval.kernels.fused_pass`, the Triton tiles above, minibatch_rows its task order's minibatch; mxfp8: the
+    gate/up tiles also round-trip h through its E8M0 blocks for down; fp8_blockwise runs staged); at EP its
     first `pull_programs` programs (0: `serval.overlap.FUSED_COMM_SMS`, the cost model's 8) pull x's rows and its
     down tiles push o's rows into the owners' slots: dispatch, experts and combine in one launch; the shared
     expert's two GEMMs join it, their tiles first (at EP: in the first macrobatch window's launch). Off: measured
     slower than the staged launches at EP=1 (docs/reports/2026-12-02-fp8-wgrad-fusion-fused-forward.md,
     2026-12-03-shared-expert-in-fused-launch.md); not measured at EP.
     `fused_backward`: the same for the backward's down dgrad (with the SwiGLU backward) and gate/up dgrad: one
-    launch on the Triton tiles above; at EP its first `dgrad_pull_programs` programs (0: FUSED_COMM_SMS) pull d_y's
+    launch on the Triton tiles above (mxfp8 where I % 32 == 0: d_gate_up round-tripped for the gate/up dgrad); at
+    EP its first `dgrad_pull_programs` programs (0: FUSED_COMM_SMS) pull d_y's
     rows and its gate/up dgrad tiles push d_x's rows into the owners' slots; the shared expert's two dgrads join it,
     their tiles first. Off: measured slower than the staged launches at EP=1 (docs/reports/2026-12-02-fused-backward.md);
     not measured at EP.

@@ -36,6 +36,11 @@ along tokens; x along tokens is rebuilt in backward from x (the same bits, H byt
 At EP the rows are pulled in bf16 and quantized after the pull, as MoK does; the quantized values are
 then those of EP=1.
 
+The fused passes (`KernelPlan.fused_forward` / `fused_backward`) run mxfp8 (`Recipe.fused_passes`; fp8_blockwise
+runs staged): the quantization between a pass's two GEMMs (h along I, d_gate_up along 2I: blocks within a row)
+happens in the first GEMM's epilogue, and at EP the launch's pull programs round-trip the x and d_y rows they pull;
+the bits are those of the staged passes, and the rows moved are the same.
+
 Accuracy against BF16: MoK's acceptance (sum|diff| / sum|ref| <= 0.1) holds on the gradients while a
 swiglu_limit rarely binds; where it clamps many pre-activations (a limit of the order of their spread), the
 clamp's derivative, 0 or 1, flips for the elements that the FP8 rounding moves across it, and the gradients
