@@ -274,13 +274,12 @@ def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
     # the kept pre-activations are packed: Schedule.num_packed rows
     recompute = config.recompute
     recipe = precision.recipe_of(config.precision)
-    num_packed = min(capacity, ep_size * num_tokens * top_k)
-    kept_rows = functional.kept_rows(config, x, w_gate, _shared(ws_gate, ws_up, ws_down), workspace, capacity,
-                                     ep_size * num_tokens * top_k)
-    gate_up = x.new_empty(_EMPTY) if recompute or recipe else x.new_empty(kept_rows, 2 * inter)
+    kept_packed, kept_rows = functional.kept_rows(config, x, w_gate, _shared(ws_gate, ws_up, ws_down), workspace,
+                                                  capacity, ep_size * num_tokens * top_k)
+    gate_up = x.new_empty(_EMPTY) if recompute or recipe else x.new_empty(kept_packed, 2 * inter)
     kept_fp8 = [x.new_empty(_EMPTY) for _ in range(_FP8_KEPT)]
     if recipe is not None and not recompute:
-        kept_fp8 = precision.kept_like(recipe, num_packed, capacity, inter, x.device)
+        kept_fp8 = precision.kept_like(recipe, kept_packed, kept_rows, inter, x.device)
     shared_gate_up = x.new_empty(_EMPTY)
     if ws_gate is not None and not recompute:
         shared_gate_up = x.new_empty(num_tokens, 2 * ws_gate.shape[0])

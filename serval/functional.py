@@ -480,8 +480,12 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         fused_shared = (x, *_shared_weights(shared), shared_schedule)
     kept = None
     if streamed:  # the routed rows through the macrobatch ring, window by window; gate_up: the first window's
+        weights = (w_gate, w_up, w_down) if recipe is None else precision.dequantized_weights(
+            recipe, w_gate, w_up, w_down, expert_weights, backward=False)
         gate_up, token_rows, token_schedule, shared_made = macrobatch.forward(
-            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared)
+            ops, x, *weights, schedule, swiglu_limit, workspace, shared=fused_shared, recipe=recipe)
+        if recipe is not None:  # mxfp8: the first window's Kept
+            kept, gate_up = gate_up, None
     elif fused and recipe is not None:  # mxfp8: the launch reads the dequantized operands, keeps as the staged path
         gate_up, h, token_rows, token_schedule, shared_made = _fused_experts(
             ops, *precision.fused_forward_operands(recipe, x, w_gate, w_up, w_down, expert_weights,
@@ -512,7 +516,7 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     if recipe is None and not (fused or streamed):
         token_rows, token_schedule = _gemm_out(ops, lambda **push: ops.down(h, w_down, schedule, **push),
                                                w_down.shape[1], h.dtype, schedule, transport)
-    elif not fused and recipe is not None:
+    elif not (fused or streamed) and recipe is not None:
         token_rows, token_schedule = _rows_out(out, schedule, transport)
     y = ops.combine(token_rows, router_weights, token_schedule, shared_out)
     keep = not config.recompute
@@ -522,14 +526,16 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
     return y, ctx
 
 
-def kept_rows(config: Config, x, w_gate, shared, workspace: Workspace | None, capacity: int, num_sources: int) -> int:
-    """Rows of the routed pre-activations a forward keeps, packed (the custom op's fake implementation sizes its
-    outputs with it): a schedule's num_packed (`Schedule.num_packed`), for the whole schedule of `capacity` rows
-    and `num_sources` (token, slot) pairs, or for the first window where the pass streams through the ring."""
+def kept_rows(config: Config, x, w_gate, shared, workspace: Workspace | None, capacity: int,
+              num_sources: int) -> tuple[int, int]:
+    """(packed rows, rows) of what a forward keeps of the routed experts (the custom op's fake implementation sizes
+    its outputs with them): a schedule's num_packed (`Schedule.num_packed`: the pre-activations) and capacity (an
+    FP8 precision's h along tokens), for the whole schedule of `capacity` rows and `num_sources` (token, slot)
+    pairs, or for the first window where the pass streams through the ring."""
     if macrobatch.streams(select_backend(config, x, w_gate, shared), precision.recipe_of(config.precision),
                           workspace):
         capacity = workspace.ring_rows
-    return min(capacity, num_sources)
+    return min(capacity, num_sources), capacity
 
 
 def recompute_forward_context(ctx: ForwardContext, x, w_gate, w_up, shared=None, *,
@@ -679,7 +685,10 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
     d_y = d_y.contiguous()
     row_router_weights = router_weights if transport is None else ctx.all_router_weights
     recipe = precision.recipe_of(config.precision)
-    if (recipe is None) != (ctx.kept is None):
+    streamed = macrobatch.streams(ops, recipe, workspace)
+    # (a streamed pass under recompute keeps nothing: its backward recomputes every window)
+    if (recipe is None and ctx.kept is not None) or (
+            recipe is not None and ctx.kept is None and (ctx.gate_up is not None or not streamed)):
         made = "bf16" if ctx.kept is None else "an FP8 precision"
         raise ValueError(f"serval.functional.backward: the forward context was made in {made}, not "
                          f"{config.precision}: pass the Config of the forward")
@@ -693,10 +702,14 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
             ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared),
             ctx.swiglu_limit, None, weight_grads=shared_weight_grads)
         shared_grads = tuple(None if g is None else g[0] for g in shared_grads)
-    if macrobatch.streams(ops, recipe, workspace):
+    if streamed:
+        gemm_weights = None if recipe is None else (
+            *precision.dequantized_weights(recipe, w_gate, w_up, w_down, expert_weights, backward=False)[:2],
+            *precision.dequantized_weights(recipe, w_gate, w_up, w_down, expert_weights, backward=True))
         slots, slot_sched, d_rw_rows, d_w_gate, d_w_up, d_w_down, shared_made = macrobatch.backward(
-            ops, d_y, x, row_router_weights, ctx.schedule, ctx.gate_up, w_gate, w_up, w_down, ctx.swiglu_limit,
-            workspace, weight_grads, shared=fused_shared)
+            ops, d_y, x, row_router_weights, ctx.schedule, ctx.gate_up if recipe is None else ctx.kept, w_gate, w_up,
+            w_down, ctx.swiglu_limit, workspace, weight_grads, shared=fused_shared, recipe=recipe,
+            gemm_weights=gemm_weights)
         if shared_made is not None:
             shared_d_x, shared_grads = _shared_after_fused_dgrads(ops, x, shared_made, ctx.shared_schedule,
                                                                   shared_weight_grads)

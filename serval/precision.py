@@ -279,14 +279,23 @@ def fuses(recipe: Recipe | None, inter: int, backward: bool) -> bool:
     return recipe.fused_passes and not (backward and inter % recipe.block)
 
 
+def dequantized_weights(recipe: Recipe, w_gate, w_up, w_down, made: ExpertWeights | None, backward: bool):
+    """The weights as a recipe whose GEMMs run in BF16 (mxfp8) reads them, made or quantized here: forward
+    (w_gate, w_up, w_down), backward (w_down, w_gate, w_up), each quantized along its GEMM's K."""
+    if backward:
+        gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
+        return made.down_t if made is not None else recipe.weight(w_down, 1), gate_t, up_t
+    gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
+    return gate_w, up_w, made.down if made is not None else recipe.weight(w_down, 2)
+
+
 def fused_forward_operands(recipe: Recipe, x, w_gate, w_up, w_down, made: ExpertWeights | None, at_ep: bool):
     """A fused forward's operands (`fuses`): the tokens the launch reads, and w_gate, w_up, w_down as the forward
-    GEMMs read them (made, or quantized here). At EP=1 the tokens x [N, H] quantized along H and dequantized, whose
+    GEMMs read them (`dequantized_weights`). At EP=1 the tokens x [N, H] quantized along H and dequantized, whose
     gathered rows are, bit for bit, the staged path's (row blocks); at EP x itself: the launch's pull programs
     round-trip each row they pull (`fused_pass` quant_block)."""
-    gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
-    return (x if at_ep else recipe.rows(x)[1], gate_w, up_w,
-            made.down if made is not None else recipe.weight(w_down, 2))
+    return (x if at_ep else recipe.rows(x)[1],
+            *dequantized_weights(recipe, w_gate, w_up, w_down, made, backward=False))
 
 
 def keep(recipe: Recipe, gate_up, h) -> Kept:
@@ -298,9 +307,9 @@ def fused_backward_operands(recipe: Recipe, d_y, kept: Kept, w_gate, w_up, w_dow
                             at_ep: bool):
     """A fused backward's operands (`fuses`): the tokens the launch reads (d_y [N, H] as `fused_forward_operands`
     takes x), w_down, w_gate, w_up as the dgrads read them, and the kept pre-activations dequantized."""
-    gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
-    down_t = made.down_t if made is not None else recipe.weight(w_down, 1)
-    return (d_y if at_ep else recipe.rows(d_y)[1], down_t, gate_t, up_t, dequantize(kept.gate_up, d_y.dtype))
+    return (d_y if at_ep else recipe.rows(d_y)[1],
+            *dequantized_weights(recipe, w_gate, w_up, w_down, made, backward=True),
+            dequantize(kept.gate_up, d_y.dtype))
 
 
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit,
@@ -379,10 +388,12 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
 
 
 def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
-                        schedule: Schedule, inter: int):
+                        schedule: Schedule, inter: int, windows=None):
     """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
     rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I],
-    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows)."""
+    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows). windows: the macrobatch ring's
+    (down, gate/up) `WgradWindow`s of these rows (BF16 GEMMs only: mxfp8), whose outputs they write; the
+    along-tokens blocks lie whole in a window (its rows start on a block_m boundary)."""
     dtype = x.dtype
     d_y_tokens, d_y_tokens_deq = _rows_quantized(d_y, d_y_rows, schedule,
                                                  lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
@@ -394,7 +405,10 @@ def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up
         d_w_gate, d_w_up = (ops.fp8_weight_grad(_row_slice(d_gate_up_tokens, start, inter), x_tokens, schedule)
                             for start in (0, inter))
     else:
-        d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule)
+        down_window, gate_up_window = windows or (None, None)
+        d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule,
+                                        **({"window": down_window} if windows else {}))
         d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up_tokens_deq, x_tokens_deq, schedule,
-                                                   x_rows=x_tokens_deq)
+                                                   x_rows=x_tokens_deq,
+                                                   **({"window": gate_up_window} if windows else {}))
     return d_w_gate, d_w_up, d_w_down

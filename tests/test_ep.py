@@ -342,12 +342,15 @@ def test_ep_skewed_routing_drops_nothing(world_size, tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("variant", ["staged", "in-gemm-pull", "fused"])
-def test_ep_macrobatch_ring_in_interpreter(variant, tmp_path):
-    """A skewed routing through a ring of a few tiles (macrobatch_size 8 tokens: 16-row windows, several a pass,
-    some empty): the kernels stream the rows window by window, every pass variant, bitwise equal to EP=1."""
+@pytest.mark.parametrize("variant,precision", [("staged", "bf16"), ("in-gemm-pull", "bf16"), ("fused", "bf16"),
+                                               ("staged", "mxfp8"), ("fused", "mxfp8")])
+def test_ep_macrobatch_ring_in_interpreter(variant, precision, tmp_path):
+    """A skewed routing through a ring of a few tiles (macrobatch_size 8 tokens: 16-row windows in bf16, 128-row
+    ones in mxfp8 (its block_m), several a pass, some empty): the kernels stream the rows window by window, every
+    pass variant, bitwise equal to EP=1; mxfp8 with I = 32 (its backward fuses too)."""
     run(2, tmp_path, kind="skewed", backend="triton", macrobatch_size=8, pull_programs=2 if variant != "staged" else 0,
-        fused=("fused_forward", "fused_backward") if variant == "fused" else ())
+        fused=("fused_forward", "fused_backward") if variant == "fused" else (), precision=precision,
+        inter=32 if precision == "mxfp8" else I)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
@@ -456,12 +459,15 @@ def test_ep_one_gpu_per_rank(world_size, tmp_path, monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("world_size,variant", [(2, "staged"), (4, "staged"), (2, "in-gemm-pull"), (2, "fused")])
-def test_ep_macrobatch_ring_on_one_gpu(world_size, variant, tmp_path, monkeypatch):
+@pytest.mark.parametrize("world_size,variant,precision", [(2, "staged", "bf16"), (4, "staged", "bf16"),
+                                                         (2, "in-gemm-pull", "bf16"), (2, "fused", "bf16"),
+                                                         (2, "staged", "mxfp8"), (2, "fused", "mxfp8")])
+def test_ep_macrobatch_ring_on_one_gpu(world_size, variant, precision, tmp_path, monkeypatch):
     """A skewed routing through a ring of 256 tokens (512 rows) on the CUDA path: 512 tokens a rank, rank 0
-    receives P times its balanced load, in several windows; bitwise equal to EP=1."""
+    receives P times its balanced load, in several windows; bitwise equal to EP=1 (mxfp8: I = 128)."""
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(world_size, tmp_path, kind="skewed", backend="auto", macrobatch_size=256, device="cuda", num_tokens=512,
         pull_programs=8 if variant != "staged" else 0,
-        fused=("fused_forward", "fused_backward") if variant == "fused" else ())
+        fused=("fused_forward", "fused_backward") if variant == "fused" else (), precision=precision,
+        inter=128 if precision == "mxfp8" else I)
