@@ -63,6 +63,11 @@ everything it waits on is earlier, hence finished: it completes, and by inductio
 not every program is resident. In Triton's CPU interpreter programs run one after another: program 0 takes every
 task in order (so no wait ever blocks) and the others find the counter exhausted.
 
+mxfp8 (quant_block 32, constexpr QUANT_BLOCK): the operands are bf16 values the caller quantized and dequantized
+along K; the first GEMM's epilogue also stores its output's E8M0 round trip (forward h along I, backward d_gate_up
+along 2I: blocks within a row), which the second GEMM reads, and at EP the pull programs round-trip the rows they
+pull (the backward keeping them as pulled too): the bits of the staged mxfp8 passes, the same rows moved.
+
 Constraints: both TileConfigs must give the same BLOCK_M (min(block_m, schedule.block_m)); one launch has one
 num_warps and num_stages: the forward's gate/up config's, the backward's gate/up dgrad config's (the other GEMM's
 tiles compile with them: checked for the plan's Hopper tiles). F stores with pointer stores whatever

@@ -38,6 +38,8 @@ specialises each use:
   that times out prints its M-tile before the trap (set under the interpreter only: a printf anywhere in the
   kernel makes ptxas serialize its wgmma).
 * UPCAST: fp32 dot operands (the interpreter's bf16 tl.dot is wrong; set there only).
+* QUANT_BLOCK (`_gemm_tile` only, 0 here; `fused_pass` in mxfp8): the SwiGLU epilogues also store the E8M0 round
+  trip of what the pass's next GEMM reads (`quantize.e8m0_round_trip`).
 
 One output tile's work, its K loop and epilogue, is `_gemm_tile` (with `_descriptors`, the tensor descriptors it
 uses): the persistent loop below calls it per tile, and so does the fused pass (`fused_pass`), for the two
