@@ -633,7 +633,8 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=debug_waits or common.INTERPRET,
         PULL_PROGRAMS=pull_programs, PULL_ALIGNED=pull is not None and pull.source.aligned, PULL_BLOCK_C=pull_block_c,
         PUSH=push_to is not None, PUSH_ALIGNED=push_to is not None and push_to.aligned, HAS_SHARED=shared is not None,
-        QUANT_BLOCK=quant_block, KEEP_PULLED=pulled is not None, num_warps=launch_tiles.num_warps, num_stages=launch_tiles.num_stages,
+        QUANT_BLOCK=quant_block, KEEP_PULLED=pulled is not None,
+        num_warps=launch_tiles.num_warps, num_stages=launch_tiles.num_stages,
     )
 
 

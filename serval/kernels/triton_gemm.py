@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .. import peers
-from ..peers import PeerSlots, PeerTokens
+from ..peers import PeerSlots
 from ..plan import TileConfig
 from ..schedule import Schedule, packed_index
 from . import common, in_gemm_pull, quantize, swiglu
