@@ -704,7 +704,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
         shared_grads = tuple(None if g is None else g[0] for g in shared_grads)
     if streamed:
         gemm_weights = None if recipe is None else (
-            *precision.dequantized_weights(recipe, w_gate, w_up, w_down, expert_weights, backward=False)[:2],
+            *precision.dequantized_weights(recipe, w_gate, w_up, None, expert_weights, backward=False)[:2],
             *precision.dequantized_weights(recipe, w_gate, w_up, w_down, expert_weights, backward=True))
         slots, slot_sched, d_rw_rows, d_w_gate, d_w_up, d_w_down, shared_made = macrobatch.backward(
             ops, d_y, x, row_router_weights, ctx.schedule, ctx.gate_up if recipe is None else ctx.kept, w_gate, w_up,

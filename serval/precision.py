@@ -281,12 +281,14 @@ def fuses(recipe: Recipe | None, inter: int, backward: bool) -> bool:
 
 def dequantized_weights(recipe: Recipe, w_gate, w_up, w_down, made: ExpertWeights | None, backward: bool):
     """The weights as a recipe whose GEMMs run in BF16 (mxfp8) reads them, made or quantized here: forward
-    (w_gate, w_up, w_down), backward (w_down, w_gate, w_up), each quantized along its GEMM's K."""
+    (w_gate, w_up, w_down), backward (w_down, w_gate, w_up), each quantized along its GEMM's K (forward with
+    w_down None: its down weight None, not quantized)."""
     if backward:
         gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
         return made.down_t if made is not None else recipe.weight(w_down, 1), gate_t, up_t
     gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
-    return gate_w, up_w, made.down if made is not None else recipe.weight(w_down, 2)
+    down_w = made.down if made is not None else None if w_down is None else recipe.weight(w_down, 2)
+    return gate_w, up_w, down_w
 
 
 def fused_forward_operands(recipe: Recipe, x, w_gate, w_up, w_down, made: ExpertWeights | None, at_ep: bool):
