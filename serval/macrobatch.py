@@ -62,7 +62,7 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
     """The routed experts of a forward at EP, streamed.
 
     x [N, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I] (mxfp8: as its forward GEMMs read them,
-    `precision.fused_forward_operands`); schedule: the rank's (worst-case capacity). shared: on stages that fuse
+    `precision.dequantized_weights`); schedule: the rank's (worst-case capacity). shared: on stages that fuse
     the forward (`gate_up_down`), the shared expert's (x, weights, dense schedule), whose tiles join the first
     window's launch. recipe: None (bf16) or mxfp8's. Returns (what the first window keeps: bf16 its gate_up
     [window 0's num_packed, 2I], mxfp8 its `precision.Kept`; this rank's slots [N*k, H] of o once every rank has
@@ -117,8 +117,7 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
     (bf16 its pre-activations, mxfp8 its `precision.Kept`), or None (recomputed, as every later window's are).
     shared: on stages that fuse the backward, the shared expert's (d_y, weights, dense schedule, gate_up), whose
     dgrads join the first window's launch. recipe: None (bf16) or mxfp8's, whose GEMMs read gemm_weights =
-    (gate_w, up_w forward; down_t, gate_t, up_t dgrads) (`precision.fused_forward_operands` /
-    `fused_backward_operands`). Returns (this rank's slots [N*k, H] of d_x once every rank has pushed, their slot
+    (gate_w, up_w forward; down_t, gate_t, up_t dgrads) (`precision.dequantized_weights`). Returns (this rank's slots [N*k, H] of d_x once every rank has pushed, their slot
     schedule, d_rw_rows fp32 [capacity], d_w_gate, d_w_up, d_w_down, the shared expert's dgrads from the first
     launch or None; the weight gradients None without weight_grads)."""
     transport = workspace.transport
