@@ -56,8 +56,8 @@ class Config:
         than the ring holds takes them in several rounds: nothing is dropped, whatever the routing skew. None:
         capacity_multiplier x the rank's balanced load, plus its experts' padding. The forward keeps the
         first window's gate/up pre-activations (all of them under a balanced routing); the backward
-        recomputes the others' from re-pulled rows. On the kernels in bf16 and mxfp8; the torch stages and
-        fp8_blockwise take every row at once (the worst case: every routed row of the group on this rank).
+        recomputes the others' from re-pulled rows. On the kernels, in every precision; the torch stages take
+        every row at once (the worst case: every routed row of the group on this rank).
         Never changes results: the weight gradients carry each expert's fp32 sums from one window to the next.
     capacity_multiplier: the macrobatch ring's size when macrobatch_size is None, as a multiple of the
         balanced load (a rank's own N * top_k rows).

@@ -480,11 +480,12 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         fused_shared = (x, *_shared_weights(shared), shared_schedule)
     kept = None
     if streamed:  # the routed rows through the macrobatch ring, window by window; gate_up: the first window's
-        weights = (w_gate, w_up, w_down) if recipe is None else precision.dequantized_weights(
-            recipe, w_gate, w_up, w_down, expert_weights, backward=False)
+        made = None if recipe is None else precision.gemm_weights(recipe, w_gate, w_up, w_down, expert_weights,
+                                                                  ("gate_up", "down"))
         gate_up, token_rows, token_schedule, shared_made = macrobatch.forward(
-            ops, x, *weights, schedule, swiglu_limit, workspace, shared=fused_shared, recipe=recipe)
-        if recipe is not None:  # mxfp8: the first window's Kept
+            ops, x, w_gate, w_up, w_down, schedule, swiglu_limit, workspace, shared=fused_shared, recipe=recipe,
+            made=made)
+        if recipe is not None:  # FP8: the first window's Kept
             kept, gate_up = gate_up, None
     elif fused and recipe is not None:  # mxfp8: the launch reads the dequantized operands, keeps as the staged path
         gate_up, h, token_rows, token_schedule, shared_made = _fused_experts(
@@ -702,14 +703,14 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
             ops, d_y, x, ones, ones, ctx.shared_schedule, ctx.shared_gate_up, *_shared_weights(shared),
             ctx.swiglu_limit, None, weight_grads=shared_weight_grads)
         shared_grads = tuple(None if g is None else g[0] for g in shared_grads)
-    if streamed:
-        gemm_weights = None if recipe is None else (
-            *precision.dequantized_weights(recipe, w_gate, w_up, None, expert_weights, backward=False)[:2],
-            *precision.dequantized_weights(recipe, w_gate, w_up, w_down, expert_weights, backward=True))
+    if recipe is not None and config.debug:
+        precision.check_finite("d_y", d_y)
+    if streamed:  # the gate/up weights in the forward's form too: the later windows recompute the pre-activations
+        made = None if recipe is None else precision.gemm_weights(recipe, w_gate, w_up, w_down, expert_weights,
+                                                                  ("gate_up", "down_t", "gate_up_t"))
         slots, slot_sched, d_rw_rows, d_w_gate, d_w_up, d_w_down, shared_made = macrobatch.backward(
             ops, d_y, x, row_router_weights, ctx.schedule, ctx.gate_up if recipe is None else ctx.kept, w_gate, w_up,
-            w_down, ctx.swiglu_limit, workspace, weight_grads, shared=fused_shared, recipe=recipe,
-            gemm_weights=gemm_weights)
+            w_down, ctx.swiglu_limit, workspace, weight_grads, shared=fused_shared, recipe=recipe, made=made)
         if shared_made is not None:
             shared_d_x, shared_grads = _shared_after_fused_dgrads(ops, x, shared_made, ctx.shared_schedule,
                                                                   shared_weight_grads)
@@ -721,8 +722,6 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
             ctx.swiglu_limit, workspace, shared_d_x, weight_grads, fused_shared, shared_weight_grads)
         shared_grads = fused_shared_grads or shared_grads
     elif fuses:  # mxfp8: both dgrads in one launch on the dequantized operands, the weight gradients as staged
-        if config.debug:
-            precision.check_finite("d_y", d_y)
         schedule = ctx.schedule
         d_y_in, down_t, gate_t, up_t, gate_up = precision.fused_backward_operands(
             recipe, d_y, ctx.kept, w_gate, w_up, w_down, expert_weights, at_ep=transport is not None)
@@ -749,8 +748,6 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
             d_w_gate, d_w_up, d_w_down = precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up,
                                                                        ctx.kept, row_rw, schedule, w_gate.shape[1])
     else:
-        if config.debug:
-            precision.check_finite("d_y", d_y)
         schedule = ctx.schedule
         d_y_rows, x_rows = (None, None) if transport is None else (transport.pull(d_y, schedule.row_source),
                                                                    transport.pull(x, schedule.row_source))

@@ -16,11 +16,13 @@ Memory: the [ring_rows, *] buffers of one window, the weight gradients' carries 
 [H, I]) and, kept from the forward for the backward, the first window's gate/up pre-activations (every row
 under a routing that fits the ring); the backward recomputes the other windows' from re-pulled x rows.
 
-mxfp8 (`recipe`) streams the same way: its GEMMs are the BF16 ones on operands quantized and dequantized along
-each GEMM's K (rows: window-local) and its weight gradients' along-tokens blocks lie whole in a window (windows
-start on block_m boundaries, a multiple of the block), so each window's quantizations are those of one pass over
-all the rows; the forward keeps the first window's `precision.Kept` (gate/up and h quantized), the backward
-recomputes the others'. fp8_blockwise's FP8 weight gradients take no windows: it takes every row at once.
+The FP8 precisions (`recipe`) stream the same way: their blocks along a GEMM's K lie within a row, and their
+weight gradients' along-tokens blocks lie whole in a window (windows start on block_m boundaries, a multiple of
+the block), so each window's quantizations are those of one pass over all the rows; mxfp8's GEMMs are the BF16
+ones (carried as above), fp8_blockwise's FP8 weight gradients carry their fp32 sums the same way
+(`serval.kernels.fp8_gemm.weight_grad`), and its FP8 GEMMs, which do not push from their epilogue, make a window's
+rows, which a push kernel then writes into the owners' slots. The forward keeps the first window's
+`precision.Kept` (gate/up and h quantized), the backward recomputes the others'.
 
 Runs on the kernel stages (`serval.kernels.KernelStages`); `serval.functional` calls it.
 """
@@ -31,15 +33,15 @@ import torch
 
 from . import precision, stages
 from .ops import dequantize
-from .peers import PeerTokens
+from .peers import PeerSlots, PeerTokens
 from .schedule import Schedule, Window, slot_schedule, windows
 
 
 def streams(ops, recipe, workspace) -> bool:
-    """Whether a pass streams its routed rows through the ring: at EP, in bf16 or mxfp8 (BF16 GEMMs), on stages
-    whose weight gradients take windows, when the ring holds fewer rows than the worst case."""
-    return ((recipe is None or not recipe.fp8_gemm) and workspace is not None and workspace.transport is not None
-            and getattr(ops, "takes_windows", False) and workspace.ring_rows < workspace.capacity_rows)
+    """Whether a pass streams its routed rows through the ring: at EP, in any precision, on stages whose weight
+    gradients take windows, when the ring holds fewer rows than the worst case."""
+    return (workspace is not None and workspace.transport is not None and getattr(ops, "takes_windows", False)
+            and workspace.ring_rows < workspace.capacity_rows)
 
 
 def _fuses(ops, recipe, inter: int, backward: bool) -> bool:
@@ -54,18 +56,28 @@ def _pull(source: PeerTokens, row_source: torch.Tensor, out: torch.Tensor) -> to
                      aligned=source.aligned, out=out)
 
 
+def _push(rows: torch.Tensor | None, row_source: torch.Tensor, target: PeerSlots) -> None:
+    """Rows a GEMM made (an FP8 GEMM, which does not push from its epilogue) into their owners' slots; None: the
+    GEMM pushed them itself."""
+    from .transport.symm import push_rows  # the Triton push kernel (the interpreter's too, on CPU tables)
+
+    if rows is not None:
+        push_rows(target.table, rows, row_source, target.num_slots, aligned=target.aligned)
+
+
 def _ring(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
 
 
-def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None, recipe=None):
+def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None, recipe=None,
+            made=None):
     """The routed experts of a forward at EP, streamed.
 
-    x [N, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I] (mxfp8: as its forward GEMMs read them,
-    `precision.dequantized_weights`); schedule: the rank's (worst-case capacity). shared: on stages that fuse
-    the forward (`gate_up_down`), the shared expert's (x, weights, dense schedule), whose tiles join the first
-    window's launch. recipe: None (bf16) or mxfp8's. Returns (what the first window keeps: bf16 its gate_up
-    [window 0's num_packed, 2I], mxfp8 its `precision.Kept`; this rank's slots [N*k, H] of o once every rank has
+    x [N, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]; schedule: the rank's (worst-case capacity).
+    shared: on stages that fuse the forward (`gate_up_down`), the shared expert's (x, weights, dense schedule),
+    whose tiles join the first window's launch. recipe: None (bf16) or an FP8 recipe, whose GEMMs read `made`
+    (`precision.gemm_weights` with gate_up and down). Returns (what the first window keeps: bf16 its gate_up
+    [window 0's num_packed, 2I], FP8 its `precision.Kept`; this rank's slots [N*k, H] of o once every rank has
     pushed, their slot schedule, the shared expert's outputs from the first launch or None)."""
     transport = workspace.transport
     parts = windows(schedule, workspace.ring_rows)
@@ -73,29 +85,38 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
     first, shared_out = [], [None]
     fused = _fuses(ops, recipe, w_gate.shape[1], backward=False)
     quant_block = 0 if recipe is None else recipe.block
+    if fused and recipe is not None:  # mxfp8: the launch reads the dequantized weights
+        (w_gate, w_up), w_down = made.gate_up, made.down
 
     def write(target):
         def consume(source):
             for window in parts:
                 s = window.schedule
                 if fused:  # pull (mxfp8: round-tripped by the pull programs), both GEMMs and push in one launch
-                    gate_up, h, _, made = ops.gate_up_down(x, w_gate, w_up, w_down, s, swiglu_limit,
-                                                           pull_from=source, pull_flags=workspace.pull_flags,
-                                                           push_to=target, shared=None if first else shared,
-                                                           quant_block=quant_block)
+                    gate_up, h, _, made_shared = ops.gate_up_down(x, w_gate, w_up, w_down, s, swiglu_limit,
+                                                                  pull_from=source, pull_flags=workspace.pull_flags,
+                                                                  push_to=target, shared=None if first else shared,
+                                                                  quant_block=quant_block)
                     if not first:
-                        shared_out[0] = made
-                else:
-                    if ops.pulls_in_gemm and recipe is None:
+                        shared_out[0] = made_shared
+                        first.append(gate_up if recipe is None else precision.keep(recipe, gate_up, h))
+                elif recipe is None:
+                    if ops.pulls_in_gemm:
                         gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, pull_from=source,
                                                         pull_flags=workspace.pull_flags)
                     else:
                         x_rows = _pull(source, s.row_source, x_ring[: s.capacity])
-                        a_rows = x_rows if recipe is None else recipe.rows(x_rows)[1]
-                        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, a_rows=a_rows)
-                    ops.down(h if recipe is None else recipe.rows(h)[1], w_down, s, push_to=target)
-                if not first:
-                    first.append(gate_up if recipe is None else precision.keep(recipe, gate_up, h))
+                        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, a_rows=x_rows)
+                    ops.down(h, w_down, s, push_to=target)
+                    if not first:
+                        first.append(gate_up)
+                else:  # the recipe's staged experts on the pulled rows (quantized after the pull)
+                    x_rows = _pull(source, s.row_source, x_ring[: s.capacity])
+                    o_rows, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, s, swiglu_limit,
+                                                     made, push_to=target, keeps=not first)
+                    _push(o_rows, s.row_source, target)
+                    if not first:
+                        first.append(kept)
         transport.pull_into(consume, x)
 
     slots = transport.push_from(write, w_down.shape[1], x.dtype)
@@ -110,21 +131,21 @@ def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.
 
 
 def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first, w_gate, w_up, w_down,
-             swiglu_limit, workspace, weight_grads: bool, shared=None, recipe=None, gemm_weights=None):
+             swiglu_limit, workspace, weight_grads: bool, shared=None, recipe=None, made=None):
     """The routed experts of a backward at EP, streamed (the forward's windows, in the same order).
 
     d_y, x [N, H]; row_router_weights: the group's [P*N, k]; gate_up_first: what the forward's first window kept
-    (bf16 its pre-activations, mxfp8 its `precision.Kept`), or None (recomputed, as every later window's are).
+    (bf16 its pre-activations, FP8 its `precision.Kept`), or None (recomputed, as every later window's are).
     shared: on stages that fuse the backward, the shared expert's (d_y, weights, dense schedule, gate_up), whose
-    dgrads join the first window's launch. recipe: None (bf16) or mxfp8's, whose GEMMs read gemm_weights =
-    (gate_w, up_w forward; down_t, gate_t, up_t dgrads) (`precision.dequantized_weights`). Returns (this rank's slots [N*k, H] of d_x once every rank has pushed, their slot
-    schedule, d_rw_rows fp32 [capacity], d_w_gate, d_w_up, d_w_down, the shared expert's dgrads from the first
-    launch or None; the weight gradients None without weight_grads)."""
+    dgrads join the first window's launch. recipe: None (bf16) or an FP8 recipe, whose GEMMs read `made`
+    (`precision.gemm_weights` with gate_up for the recomputation, down_t and gate_up_t). Returns (this rank's
+    slots [N*k, H] of d_x once every rank has pushed, their slot schedule, d_rw_rows fp32 [capacity], d_w_gate,
+    d_w_up, d_w_down, the shared expert's dgrads from the first launch or None; the weight gradients None without
+    weight_grads)."""
     transport = workspace.transport
     parts = windows(schedule, workspace.ring_rows)
     num_experts, inter, hidden = w_gate.shape
     fused = _fuses(ops, recipe, inter, backward=True)
-    gate_w, up_w, down_t, gate_t, up_t = gemm_weights if recipe is not None else (w_gate, w_up, w_down, w_gate, w_up)
     ring_rows = parts[0].schedule.capacity
     x_ring, d_y_ring = _ring(ring_rows, hidden, x), _ring(ring_rows, hidden, d_y)
     d_rw_rows = torch.empty(schedule.capacity, dtype=torch.float32, device=x.device)
@@ -140,39 +161,44 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
         s = window.schedule
         x_rows = _pull(x_source, s.row_source, x_ring[: s.capacity])
         kept = gate_up_first if index == 0 else None
-        if kept is None:  # recomputed from the re-pulled rows (mxfp8: as the forward quantized them)
-            gate_up, h = ops.gate_up_swiglu(x, gate_w, up_w, s, swiglu_limit,
-                                            a_rows=x_rows if recipe is None else recipe.rows(x_rows)[1])
-            kept = gate_up if recipe is None else precision.keep(recipe, gate_up, h)
-        gate_up = kept if recipe is None else dequantize(kept.gate_up, x.dtype)
+        if kept is None and recipe is None:  # recomputed from the re-pulled rows
+            kept, _ = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, a_rows=x_rows)
+        elif kept is None:  # as the forward quantized and kept them
+            _, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, None, s, swiglu_limit, made)
+        wgrad_windows = None
+        if weight_grads:
+            wgrad_windows = (_carry(window, index, carry_down, (d_w_down,)),
+                             _carry(window, index, carry_gate_up, (d_w_gate, d_w_up)))
         d_y_rows = d_y_ring[: s.capacity]
         pull = dict(pull_from=d_y_source, pull_flags=workspace.pull_flags)
         if fused:  # pull of d_y (mxfp8: round-tripped by the pull programs), both dgrads and push of d_x in one launch
-            d_gate_up, h_weighted, d_rw, _, made = ops.down_dgrad_gate_up_dgrad(
-                d_y_rows, down_t, gate_t, up_t, gate_up, row_router_weights, s, swiglu_limit, push_to=target,
-                shared=None if index else shared, quant_block=0 if recipe is None else recipe.block, **pull)
+            down_t, gate_t, up_t = (w_down, w_gate, w_up) if recipe is None else (made.down_t, *made.gate_up_t)
+            d_gate_up, h_weighted, d_rw, _, made_shared = ops.down_dgrad_gate_up_dgrad(
+                d_y_rows, down_t, gate_t, up_t, kept if recipe is None else dequantize(kept.gate_up, x.dtype),
+                row_router_weights, s, swiglu_limit, push_to=target, shared=None if index else shared,
+                quant_block=0 if recipe is None else recipe.block, **pull)
             if index == 0:
-                shared_out[0] = made
-        else:
-            if not ops.pulls_in_dgrad or recipe is not None:
+                shared_out[0] = made_shared
+        elif recipe is None:
+            if not ops.pulls_in_dgrad:
                 _pull(d_y_source, s.row_source, d_y_rows)
                 pull = {}
-            d_gate_up, h_weighted, d_rw = ops.down_dgrad_swiglu(
-                d_y_rows if recipe is None else recipe.rows(d_y_rows)[1], down_t, gate_up, row_router_weights, s,
-                swiglu_limit, **pull)
-            ops.gate_up_dgrad(d_gate_up if recipe is None else recipe.rows(d_gate_up)[1], gate_t, up_t, s,
-                              push_to=target)
+            d_gate_up, h_weighted, d_rw = ops.down_dgrad_swiglu(d_y_rows, w_down, kept, row_router_weights, s,
+                                                                swiglu_limit, **pull)
+            ops.gate_up_dgrad(d_gate_up, w_gate, w_up, s, push_to=target)
+        else:  # the recipe's staged backward on the pulled rows, its weight gradients window by window
+            _pull(d_y_source, s.row_source, d_y_rows)
+            d_x_rows, d_rw, *_ = precision.backward(ops, recipe, d_y, d_y_rows, x, x_rows, kept, row_router_weights,
+                                                    w_gate, w_up, w_down, s, swiglu_limit, made, weight_grads,
+                                                    push_to=target, windows=wgrad_windows)
+            _push(d_x_rows, s.row_source, target)
         d_rw_rows[window.start: window.start + s.capacity] = d_rw
-        if weight_grads:
-            down_window = _carry(window, index, carry_down, (d_w_down,))
-            gate_up_window = _carry(window, index, carry_gate_up, (d_w_gate, d_w_up))
-            if recipe is None:
-                ops.down_weight_grad(d_y_rows, h_weighted, s, window=down_window)
-                ops.gate_up_weight_grad(d_gate_up, x, s, x_rows=x_rows, window=gate_up_window)
-            else:  # the operands quantized along tokens, window by window
-                precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept,
-                                              stages.row_weights(row_router_weights, s).float(), s, inter,
-                                              windows=(down_window, gate_up_window))
+        if wgrad_windows is not None and recipe is None:
+            ops.down_weight_grad(d_y_rows, h_weighted, s, window=wgrad_windows[0])
+            ops.gate_up_weight_grad(d_gate_up, x, s, x_rows=x_rows, window=wgrad_windows[1])
+        elif wgrad_windows is not None and fused:  # mxfp8: the operands quantized along tokens, window by window
+            precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept,
+                                          stages.row_weights(row_router_weights, s).float(), s, inter, wgrad_windows)
 
     def write(target):
         def with_d_y(d_y_source):

@@ -223,11 +223,23 @@ class ExpertWeights(NamedTuple):
 
 def expert_weights(recipe: Recipe, w_gate, w_up, w_down) -> ExpertWeights:
     """w_gate, w_up [E, I, H] and w_down [E, H, I] bf16, in the form each GEMM of the recipe reads."""
-    if recipe.fp8_gemm:
-        return ExpertWeights(_gate_up_weights(recipe, w_gate, w_up, 2), recipe.weight(w_down, 2),
-                             recipe.weight(w_down, 1), _gate_up_weights(recipe, w_gate, w_up, 1))
-    return ExpertWeights((recipe.weight(w_gate, 2), recipe.weight(w_up, 2)), recipe.weight(w_down, 2),
-                         recipe.weight(w_down, 1), (recipe.weight(w_gate, 1), recipe.weight(w_up, 1)))
+    return gemm_weights(recipe, w_gate, w_up, w_down, None, ExpertWeights._fields)
+
+
+def gemm_weights(recipe: Recipe, w_gate, w_up, w_down, made: ExpertWeights | None, fields) -> ExpertWeights:
+    """`made` (the user's `expert_weights`), else `expert_weights` with only `fields` (ExpertWeights field names: the
+    GEMMs a pass runs) quantized, the others None."""
+    if made is not None:
+        return made
+
+    def gate_up(k_dim):
+        if recipe.fp8_gemm:
+            return _gate_up_weights(recipe, w_gate, w_up, k_dim)
+        return recipe.weight(w_gate, k_dim), recipe.weight(w_up, k_dim)
+
+    make = dict(gate_up=lambda: gate_up(2), down=lambda: recipe.weight(w_down, 2),
+                down_t=lambda: recipe.weight(w_down, 1), gate_up_t=lambda: gate_up(1))
+    return ExpertWeights(*(make[field]() if field in fields else None for field in ExpertWeights._fields))
 
 
 def check_expert_weights(recipe: Recipe, made: ExpertWeights, w_gate, w_down) -> None:
@@ -281,14 +293,12 @@ def fuses(recipe: Recipe | None, inter: int, backward: bool) -> bool:
 
 def dequantized_weights(recipe: Recipe, w_gate, w_up, w_down, made: ExpertWeights | None, backward: bool):
     """The weights as a recipe whose GEMMs run in BF16 (mxfp8) reads them, made or quantized here: forward
-    (w_gate, w_up, w_down), backward (w_down, w_gate, w_up), each quantized along its GEMM's K (forward with
-    w_down None: its down weight None, not quantized)."""
+    (w_gate, w_up, w_down), backward (w_down, w_gate, w_up), each quantized along its GEMM's K."""
     if backward:
-        gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
-        return made.down_t if made is not None else recipe.weight(w_down, 1), gate_t, up_t
-    gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
-    down_w = made.down if made is not None else None if w_down is None else recipe.weight(w_down, 2)
-    return gate_w, up_w, down_w
+        made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("down_t", "gate_up_t"))
+        return made.down_t, *made.gate_up_t
+    made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("gate_up", "down"))
+    return *made.gate_up, made.down
 
 
 def fused_forward_operands(recipe: Recipe, x, w_gate, w_up, w_down, made: ExpertWeights | None, at_ep: bool):
@@ -315,31 +325,39 @@ def fused_backward_operands(recipe: Recipe, d_y, kept: Kept, w_gate, w_up, w_dow
 
 
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit,
-            made: ExpertWeights | None = None):
+            made: ExpertWeights | None = None, push_to=None, keeps: bool = True):
     """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
     at EP (quantized after the pull), None at EP=1, where the tokens are quantized once and their rows
     gathered in E4M3 (row blocks do not depend on the row order: the same bits, a k-th of the work).
     w_down None: what backward keeps only (recomputation), (None, Kept). made: the weights already in the
-    GEMMs' form (`expert_weights`), else they are quantized here."""
+    GEMMs' form (`expert_weights` or `gemm_weights`), else they are quantized here. push_to: the owners' slots
+    (`serval.peers.PeerSlots`), where a down GEMM that can (on BF16 engines: mxfp8) writes o's rows from its
+    epilogue, returning None for o; an FP8 GEMM returns them for the caller to push. keeps False: Kept is None
+    and not made (a later window of the macrobatch ring, whose backward recomputes it)."""
+    made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("gate_up",) if w_down is None else ("gate_up", "down"))
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
-        gate_up_w = made.gate_up if made is not None else _gate_up_weights(recipe, w_gate, w_up, 2)
-        gate_up_rows = ops.fp8_grouped_gemm(x_q, gate_up_w, schedule)
+        gate_up_rows = ops.fp8_grouped_gemm(x_q, made.gate_up, schedule)
         # one row pass: h, h quantized along I, and the pre-activations kept in packed rows, as BF16 keeps them
         h, h_q, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block, recipe.scale_format)
         del gate_up_rows
     else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
         x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
-        gate_w, up_w = made.gate_up if made is not None else (recipe.weight(w_gate, 2), recipe.weight(w_up, 2))
-        gate_up, h = ops.gate_up_swiglu(x_deq, gate_w, up_w, schedule, swiglu_limit,
+        gate_up, h = ops.gate_up_swiglu(x_deq, *made.gate_up, schedule, swiglu_limit,
                                         a_rows=None if x_rows is None else x_deq)
-    kept = Kept(gate_up, recipe.tokens(h, keep=True)[0]) if recipe.fp8_gemm else keep(recipe, gate_up, h)
+    kept = None
+    if keeps:
+        kept = Kept(gate_up, recipe.tokens(h, keep=True)[0]) if recipe.fp8_gemm else keep(recipe, gate_up, h)
     if w_down is None:
         return None, kept
-    down_w = made.down if made is not None else recipe.weight(w_down, 2)
     if recipe.fp8_gemm:
-        return ops.fp8_grouped_gemm(h_q, down_w, schedule), kept
-    return ops.down(recipe.rows(h)[1], down_w, schedule), kept
+        return ops.fp8_grouped_gemm(h_q, made.down, schedule), kept
+    return ops.down(recipe.rows(h)[1], made.down, schedule, **_push(push_to)), kept
+
+
+def _push(push_to) -> dict:
+    """The push_to keyword of a stage GEMM, only where there is a push (the torch stages take none)."""
+    return {} if push_to is None else {"push_to": push_to}
 
 
 def _rows_quantized(tokens, rows, schedule: Schedule, quantize_along):
@@ -351,42 +369,40 @@ def _rows_quantized(tokens, rows, schedule: Schedule, quantize_along):
 
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
-             schedule: Schedule, swiglu_limit, made: ExpertWeights | None = None, weight_grads: bool = True):
+             schedule: Schedule, swiglu_limit, made: ExpertWeights | None = None, weight_grads: bool = True,
+             push_to=None, windows=None):
     """Gradients of the routed experts from d_y and x [N, H] (bf16), their rows [R, H] pulled at EP (None at
     EP=1: the quantization passes read the tokens' rows through the schedule, no bf16 rows are made) and the
     group's router weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up,
     d_w_down). made: as in `forward`. weight_grads False: the weight gradients are None (none of their
-    quantizations or GEMMs run)."""
+    quantizations or GEMMs run). push_to: as in `forward`, for d_x's rows. windows: the macrobatch ring's
+    (`expert_weight_grads`)."""
     dtype = x.dtype
+    made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("down_t", "gate_up_t"))
     at_ep1 = d_y_rows is None
     row_rw = stages.row_weights(router_weights, schedule).float()  # [R], 0 on padding rows
     if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
         d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
-        d_h_raw = ops.fp8_grouped_gemm(d_y_q, made.down_t if made is not None else recipe.weight(w_down, 1),
-                                       schedule)
+        d_h_raw = ops.fp8_grouped_gemm(d_y_q, made.down_t, schedule)
         d_gate_up, d_gate_up_q, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw,
                                                                     swiglu_limit)
         del d_h_raw
     else:
         d_y_deq = _rows_quantized(d_y, d_y_rows, schedule, recipe.rows)[1]
-        d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, made.down_t if made is not None else
-                                                        recipe.weight(w_down, 1),
-                                                        dequantize(kept.gate_up, dtype), router_weights,
-                                                        schedule, swiglu_limit)
+        d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, made.down_t, dequantize(kept.gate_up, dtype),
+                                                        router_weights, schedule, swiglu_limit)
         del d_y_deq
     if recipe.fp8_gemm:
-        gate_up_t = made.gate_up_t if made is not None else _gate_up_weights(recipe, w_gate, w_up, 1)
-        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, gate_up_t, schedule)
+        d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, made.gate_up_t, schedule)
         del d_gate_up_q
     else:
         d_gate_up_deq = recipe.rows(d_gate_up)[1]
-        gate_t, up_t = made.gate_up_t if made is not None else (recipe.weight(w_gate, 1), recipe.weight(w_up, 1))
-        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, gate_t, up_t, schedule)
+        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, *made.gate_up_t, schedule, **_push(push_to))
         del d_gate_up_deq
     if not weight_grads:
         return d_x_rows, d_rw_rows, None, None, None
     return (d_x_rows, d_rw_rows, *expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept, row_rw,
-                                                      schedule, w_gate.shape[1]))
+                                                      schedule, w_gate.shape[1], windows))
 
 
 def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
@@ -394,23 +410,41 @@ def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up
     """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
     rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I],
     the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows). windows: the macrobatch ring's
-    (down, gate/up) `WgradWindow`s of these rows (BF16 GEMMs only: mxfp8), whose outputs they write; the
-    along-tokens blocks lie whole in a window (its rows start on a block_m boundary)."""
+    (down, gate/up) `WgradWindow`s of these rows (`serval.kernels.weight_grad`; the gate/up one with outputs
+    (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a
+    window (its rows start on a block_m boundary, a multiple of the block)."""
     dtype = x.dtype
     d_y_tokens, d_y_tokens_deq = _rows_quantized(d_y, d_y_rows, schedule,
                                                  lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
     d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
     x_tokens, x_tokens_deq = _rows_quantized(x, x_rows, schedule, recipe.tokens)
+    down_window, gate_up_window = windows or (None, None)
     if recipe.fp8_gemm:
-        d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule)
-        # one GEMM per half of d_gate_up's rows: each writes its weight's gradient contiguous (no copy)
-        d_w_gate, d_w_up = (ops.fp8_weight_grad(_row_slice(d_gate_up_tokens, start, inter), x_tokens, schedule)
-                            for start in (0, inter))
+        d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule, **_window(down_window))
+        # one GEMM per half of d_gate_up's rows: each writes its weight's gradient contiguous (no copy), each
+        # window with its half of the carries
+        d_w_gate, d_w_up = (ops.fp8_weight_grad(_row_slice(d_gate_up_tokens, half * inter, inter), x_tokens, schedule,
+                                                **_window(_half(gate_up_window, half, inter)))
+                            for half in (0, 1))
     else:
-        down_window, gate_up_window = windows or (None, None)
         d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule,
-                                        **({"window": down_window} if windows else {}))
+                                        **_window(down_window))
         d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up_tokens_deq, x_tokens_deq, schedule,
                                                    x_rows=x_tokens_deq,
-                                                   **({"window": gate_up_window} if windows else {}))
+                                                   **_window(gate_up_window))
     return d_w_gate, d_w_up, d_w_down
+
+
+def _window(window) -> dict:
+    """The window keyword of a weight-gradient stage, only where there is one (the torch stages take none)."""
+    return {} if window is None else {"window": window}
+
+
+def _half(window, half: int, inter: int):
+    """The gate (half 0) or up (half 1) part of a gate/up `WgradWindow` (carries [2I, H], outputs (gate, up)):
+    rows [half * I, (half + 1) * I) of the carries and that output."""
+    if window is None:
+        return None
+    rows = slice(half * inter, (half + 1) * inter)
+    return dataclasses.replace(window, carry_in=window.carry_in[rows], carry_out=window.carry_out[rows],
+                               outs=(window.outs[half],))

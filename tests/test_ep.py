@@ -343,14 +343,17 @@ def test_ep_skewed_routing_drops_nothing(world_size, tmp_path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
 @pytest.mark.parametrize("variant,precision", [("staged", "bf16"), ("in-gemm-pull", "bf16"), ("fused", "bf16"),
-                                               ("staged", "mxfp8"), ("fused", "mxfp8")])
+                                               ("staged", "mxfp8"), ("fused", "mxfp8"), ("staged", "fp8_blockwise")])
 def test_ep_macrobatch_ring_in_interpreter(variant, precision, tmp_path):
     """A skewed routing through a ring of a few tiles (macrobatch_size 8 tokens: 16-row windows in bf16, 128-row
-    ones in mxfp8 (its block_m), several a pass, some empty): the kernels stream the rows window by window, every
-    pass variant, bitwise equal to EP=1; mxfp8 with I = 32 (its backward fuses too)."""
+    ones in the FP8 precisions (their block_m), several a pass, some empty): the kernels stream the rows window by
+    window, every pass variant, bitwise equal to EP=1; mxfp8 with I = 32 (its backward fuses too); fp8_blockwise
+    (I = 128) with 80 tokens a rank, so that an expert's 160 rows span two windows (its FP8 weight gradients carry
+    their fp32 sums from one to the next)."""
+    fp8_blockwise = precision == "fp8_blockwise"
     run(2, tmp_path, kind="skewed", backend="triton", macrobatch_size=8, pull_programs=2 if variant != "staged" else 0,
         fused=("fused_forward", "fused_backward") if variant == "fused" else (), precision=precision,
-        inter=32 if precision == "mxfp8" else I)
+        inter={"mxfp8": 32, "fp8_blockwise": 128}.get(precision, I), num_tokens=80 if fp8_blockwise else N)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
@@ -378,12 +381,6 @@ def test_ep_fused_passes_on_one_gpu(precision, inter, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, fused=("fused_forward", "fused_backward"),
         precision=precision, inter=inter)
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
-def test_ep_fp8_kernels_in_interpreter(tmp_path):
-    """fp8_blockwise at EP on the kernels (quantizer, FP8 GEMMs, SwiGLU row passes): bitwise equal to EP=1."""
-    run(2, tmp_path, backend="triton", precision="fp8_blockwise", inter=128)
 
 
 def test_ep_cpu_without_numpy(tmp_path):
@@ -461,13 +458,14 @@ def test_ep_one_gpu_per_rank(world_size, tmp_path, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("world_size,variant,precision", [(2, "staged", "bf16"), (4, "staged", "bf16"),
                                                          (2, "in-gemm-pull", "bf16"), (2, "fused", "bf16"),
-                                                         (2, "staged", "mxfp8"), (2, "fused", "mxfp8")])
+                                                         (2, "staged", "mxfp8"), (2, "fused", "mxfp8"),
+                                                         (2, "staged", "fp8_blockwise")])
 def test_ep_macrobatch_ring_on_one_gpu(world_size, variant, precision, tmp_path, monkeypatch):
     """A skewed routing through a ring of 256 tokens (512 rows) on the CUDA path: 512 tokens a rank, rank 0
-    receives P times its balanced load, in several windows; bitwise equal to EP=1 (mxfp8: I = 128)."""
+    receives P times its balanced load, in several windows; bitwise equal to EP=1 (FP8 precisions: I = 128)."""
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(world_size, tmp_path, kind="skewed", backend="auto", macrobatch_size=256, device="cuda", num_tokens=512,
         pull_programs=8 if variant != "staged" else 0,
         fused=("fused_forward", "fused_backward") if variant == "fused" else (), precision=precision,
-        inter=128 if precision == "mxfp8" else I)
+        inter=I if precision == "bf16" else 128)

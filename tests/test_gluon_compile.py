@@ -119,7 +119,8 @@ VARIANTS = {
 
 
 # ---- the block-scaled FP8 grouped GEMMs (gluon_fp8): SEGMENT "rows" (grouped_gemm: K = H, N = I) and "k"
-# (weight_grad: a [2I, R], b [H, R]), in the configs gluon_fp8.choose_config picks, and block_n = 64
+# (weight_grad: a [2I, R], b [H, R]; and window by window, WINDOW), in the configs gluon_fp8.choose_config picks,
+# and block_n = 64
 
 
 def _fp8_config(config, n, weight_grad=False):
@@ -143,10 +144,13 @@ def _fp8_gemm(config=None):
     return "gluon_fp8", "_fp8_kernel", launch, config, dict(SEGMENT="rows", B_SCALE_GROUP=128)
 
 
-def _fp8_wgrad(config=None):
+def _fp8_wgrad(config=None, window=False):
     config = _fp8_config(config, min(SHAPES[s]["hidden"] for s in SHAPES), weight_grad=True)
 
     def launch(engine, t):
+        from serval.kernels.weight_grad import WgradWindow
+        from serval.schedule import windows
+
         schedule, hidden, inter = t["schedule"], t["x_rows"].shape[1], t["h"].shape[1]
         fp8 = dict(dtype=torch.float8_e4m3fn)
         a = torch.zeros(2 * inter, schedule.capacity, **fp8)
@@ -154,9 +158,12 @@ def _fp8_wgrad(config=None):
         a_scale = torch.ones(2 * inter, schedule.capacity // 128)
         b_scale = torch.ones(hidden, schedule.capacity // 128)
         out = torch.zeros(E, 2 * inter, hidden, dtype=torch.bfloat16)
+        carries = [torch.zeros(2 * inter, hidden) for _ in range(2)]
         assert engine.choose_config(hidden, weight_grad=True) == config
-        engine.weight_grad(a, a_scale, b, b_scale, schedule, out, config)
-    return "gluon_fp8", "_fp8_kernel", launch, config, dict(SEGMENT="k", B_SCALE_GROUP=1)
+        engine.weight_grad(a, a_scale, b, b_scale, schedule, out, config,
+                           WgradWindow(windows(schedule, schedule.capacity)[0].expert_phase, *carries, (out,))
+                           if window else None)
+    return "gluon_fp8", "_fp8_kernel", launch, config, dict(SEGMENT="k", B_SCALE_GROUP=1, WINDOW=window)
 
 
 def _fp8_bn64():
@@ -166,7 +173,8 @@ def _fp8_bn64():
 
 FP8_VARIANTS = {
     f"{name}-{shape}": (variant, shape)
-    for name, variant in {"fp8_gemm": _fp8_gemm, "fp8_wgrad": _fp8_wgrad, "fp8_gemm_bn64": _fp8_bn64}.items()
+    for name, variant in {"fp8_gemm": _fp8_gemm, "fp8_wgrad": _fp8_wgrad, "fp8_gemm_bn64": _fp8_bn64,
+                          "fp8_wgrad_window": lambda: _fp8_wgrad(window=True)}.items()
     for shape in SHAPES if not (name == "fp8_gemm_bn64" and shape == "ragged") and shape != "h136"
 }
 VARIANTS.update(FP8_VARIANTS)

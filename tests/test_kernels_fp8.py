@@ -163,6 +163,72 @@ def test_weight_grad_matches_emulation(case):
     assert torch.equal(got, again)
 
 
+WINDOW_CASES = {  # tokens, experts, top_k, kind: an expert of 3 M-tiles (a window carries in and out), the others
+    "skewed": (260, 4, 2, "skewed"),  # ragged
+    "one expert, k=1": (300, 3, 1, "one"),  # empty
+}
+
+
+def window_case(case, m=48, n=40):
+    """A schedule and weight-gradient operands (a [m, R], b [n, R] quantized along R) for WINDOW_CASES[case]."""
+    tokens, experts, top_k, kind = WINDOW_CASES[case]
+    schedule = build_schedule(make_routing(tokens, experts, top_k, kind=kind)[1].to(DEVICE), experts, 128)
+    gen = torch.Generator().manual_seed(1)
+    operands = (*quantize_blocks(routed_rows(schedule, m, gen, DEVICE).T.contiguous(), 1, 128),
+                *quantize_blocks(routed_rows(schedule, n, gen, DEVICE).T.contiguous(), 1, 128))
+    return schedule, operands
+
+
+def windowed_weight_grad(a_data, a_scale, b_data, b_scale, schedule, rows, **kwargs):
+    """fp8_gemm.weight_grad window by window over `rows` rows (serval.schedule.windows), each window's operands
+    copied out as the macrobatch ring quantizes them (contiguous [M, window rows]); checks that each launch writes
+    only its FINISH experts' outputs, every expert's exactly once, and never its carry_in."""
+    from serval.kernels.weight_grad import WgradWindow
+    from serval.schedule import CARRY_OUT, FINISH, windows
+
+    m, n, E = a_data.shape[0], b_data.shape[0], schedule.num_experts
+    out = torch.full((E, m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    carries = [torch.full((m, n), float("nan"), device=DEVICE) for _ in range(2)]
+    finished = torch.zeros(E, dtype=torch.int64)
+    for j, w in enumerate(windows(schedule, rows)):
+        cols = slice(w.start, w.start + w.schedule.capacity)
+        blocks = slice(w.start // 128, (w.start + w.schedule.capacity) // 128)
+        a, b = (t[:, cols].contiguous() for t in (a_data, b_data))
+        sa, sb = (t[:, blocks].contiguous() for t in (a_scale, b_scale))
+        window = WgradWindow(w.expert_phase, carries[j % 2], carries[(j + 1) % 2], (out,))
+        before, carry_in = out.clone(), window.carry_in.clone()
+        assert fp8_gemm.weight_grad(a, sa, b, sb, w.schedule, window=window, **kwargs) is out
+        phase = w.expert_phase.cpu()
+        done = ((phase & FINISH) != 0).to(DEVICE)
+        assert torch.equal(out[~done].view(torch.int16), before[~done].view(torch.int16)), f"window {j}"
+        assert not out[done].isnan().any(), f"window {j} left a finished expert's gradient unwritten"
+        assert torch.equal(window.carry_in.view(torch.int32), carry_in.view(torch.int32)), f"window {j}"
+        if (phase & CARRY_OUT).any():
+            assert not window.carry_out.isnan().any(), f"window {j} left part of its carry_out unwritten"
+        finished += (phase & FINISH) != 0
+    assert torch.equal(finished, torch.ones(E, dtype=torch.int64)), finished
+    return out
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_weight_grad_windows_bitwise_one_pass(case):
+    """The macrobatch ring's windows (1 and 2 M-tiles, and one window of everything) give the one launch's bits:
+    the sums carried in fp32 from window to window, the K steps in the same order."""
+    from serval.kernels.weight_grad import WgradWindow
+    from serval.schedule import windows
+
+    schedule, operands = window_case(case)
+    one_pass = fp8_gemm.weight_grad(*operands, schedule, engine="triton")
+    for rows in (128, 256, schedule.capacity + 128):
+        got = windowed_weight_grad(*operands, schedule, rows, engine="triton")
+        assert torch.equal(got, one_pass), f"windows of {rows} rows: not the one-pass bits"
+    transposed = torch.zeros(40, 48, device=DEVICE)
+    bad = WgradWindow(windows(schedule, schedule.capacity)[0].expert_phase, transposed, transposed.clone(),
+                      (torch.zeros(schedule.num_experts, 48, 40, dtype=torch.bfloat16, device=DEVICE),))
+    with pytest.raises(ValueError, match="carry_in"):
+        fp8_gemm.weight_grad(*operands, schedule, window=bad)
+
+
 def test_validation_errors():
     schedule, a_data, a_scale, b_data, b_scale = make_case(**CASES["random"])
     gg = fp8_gemm.grouped_gemm
@@ -251,6 +317,19 @@ def test_gluon_weight_grad_matches_triton(case):
     want = fp8_gemm.weight_grad(a_data, a_scale, b_data, b_scale, schedule, engine="triton")
     assert_engines_agree(got, want, case)
     assert torch.equal(got, fp8_gemm.weight_grad(a_data, a_scale, b_data, b_scale, schedule, engine="gluon"))
+
+
+@requires_gluon
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_gluon_weight_grad_windows_bitwise_one_pass(case):
+    """The Gluon engine window by window (its carries loaded into and stored from the wgmma accumulator's layout)
+    gives its own one-launch bits; 128-wide and 64-wide N tiles."""
+    for m, n in ((1024, 768), (256, 48)):
+        schedule, operands = window_case(case, m, n)
+        one_pass = fp8_gemm.weight_grad(*operands, schedule, engine="gluon")
+        for rows in (128, 256):
+            got = windowed_weight_grad(*operands, schedule, rows, engine="gluon")
+            assert torch.equal(got, one_pass), f"{m} x {n}, windows of {rows} rows: not the one-pass bits"
 
 
 @requires_gluon

@@ -16,7 +16,9 @@ loads past K read zeros. K must be a multiple of 16 (16-byte rows, what TMA addr
 
 Numerics, on every engine: each 128-wide K step's dot product is made from a zero accumulator (fp32), then
 promoted once, `acc = fma(part, a_scale * b_scale, acc)` (the scale product in fp32 first), the K steps in
-increasing order into one accumulator; no split-K, no atomics: bitwise identical run to run.
+increasing order into one accumulator; no split-K, no atomics: bitwise identical run to run. weight_grad also runs
+window by window over the rows (the macrobatch ring, `serval.schedule.windows`), the accumulator carried in fp32
+from one window to the next as the bf16 weight gradient does (`weight_grad.WgradWindow`): the same bits.
 
 Engines:
 
@@ -42,20 +44,26 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import schedule as _schedule
 from ..plan import GLUON_VERSIONS
 from ..schedule import Schedule
 from . import common, gluon_common
+from .weight_grad import WgradWindow, check_window
 
 SCALE_BLOCK = 128  # elements per scale along K (and along N for the weights)
 FP8 = torch.float8_e4m3fn
 ENGINES = ("auto", "triton", "gluon")
+# the window phase bits (serval.schedule) as kernel constants
+_CARRY_IN: tl.constexpr = tl.constexpr(_schedule.CARRY_IN)
+_CARRY_OUT: tl.constexpr = tl.constexpr(_schedule.CARRY_OUT)
+_FINISH: tl.constexpr = tl.constexpr(_schedule.FINISH)
 
 
 # ---------------------------------------------------------------- the Triton kernel
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, phase_ptr, carry_in_ptr, carry_out_ptr,
     tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
     M, N, K,
     stride_a, stride_as_m, stride_as_k,
@@ -63,11 +71,13 @@ def _fp8_gemm_kernel(
     stride_out_e, stride_out_m,
     SEGMENT: tl.constexpr, B_SCALE_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """SEGMENT "rows": out[r, n] over the schedule's used M-tiles (M = R; A [R, K], B [E, N, K]).
     SEGMENT "k": out[e, m, n] for every expert, K = expert e's rows [offsets[e], offsets[e + 1]) of A [M, R] and
-    B [N, R] (stride_b_e = stride_bs_e = 0). UPCAST: "fp32" (interpreter), "bf16" (no fp8 MMA), "" (fp8 tl.dot)."""
+    B [N, R] (stride_b_e = stride_bs_e = 0). UPCAST: "fp32" (interpreter), "bf16" (no fp8 MMA), "" (fp8 tl.dot).
+    WINDOW ("k" only): one window of the rows; phase_ptr [E] int32, carry_in_ptr / carry_out_ptr [M, N] fp32
+    (see `weight_grad`)."""
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     if SEGMENT == "rows":
         num_m_tiles = tl.load(expert_offsets_ptr + num_experts) // BLOCK_M  # used tiles only: no host sync
@@ -100,6 +110,12 @@ def _fp8_gemm_kernel(
         sb_cols = b_scale_ptr + expert.to(tl.int64) * stride_bs_e + (cols // B_SCALE_GROUP).to(tl.int64) * stride_bs_n
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if WINDOW:  # CARRY_IN: the sums continue from the previous window's (the flag bounds the rows: a scalar
+            # bool and-ed into a tensor mask is rejected by the interpreter)
+            phase = tl.load(phase_ptr + expert)
+            carry = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            carry_rows = tl.where((phase & _CARRY_IN) != 0, M, 0)
+            acc = tl.load(carry_in_ptr + carry, mask=(rows < carry_rows)[:, None] & col_ok[None, :], other=0.0)
         for k in range(k_begin, k_end, BLOCK_K):  # one K step = one scale block, in increasing order
             kb = k // BLOCK_K
             if SEGMENT == "rows":
@@ -120,7 +136,13 @@ def _fp8_gemm_kernel(
 
         out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + rows.to(tl.int64)[:, None] * stride_out_m
                     + cols[None, :])
-        tl.store(out_ptrs, common.to_dtype(acc, tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+        if WINDOW:  # the fp32 sums to the next window's carry (CARRY_OUT) or the output (FINISH), or nothing
+            if (phase & _CARRY_OUT) != 0:
+                tl.store(carry_out_ptr + carry, acc, mask=row_ok[:, None] & col_ok[None, :])
+            elif (phase & _FINISH) != 0:
+                tl.store(out_ptrs, common.to_dtype(acc, tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+        else:
+            tl.store(out_ptrs, common.to_dtype(acc, tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ---------------------------------------------------------------- checks
@@ -255,27 +277,33 @@ def grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tens
     max_tiles = (num_rows // block_m) * _cdiv(n, block_n)
     num_programs = max(1, min(common.num_sms(a_data.device.index), max_tiles))
     _fp8_gemm_kernel[(num_programs,)](
-        a_data, a_scale, b_data, b_scale, out,
+        a_data, a_scale, b_data, b_scale, out, None, None, None,
         schedule.tile_expert, schedule.expert_offsets, num_experts, schedule.block_m,
         num_rows, n, k,
         a_data.stride(0), a_scale.stride(0), a_scale.stride(1),
         b_data.stride(0), b_data.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         0, out.stride(0),
         SEGMENT="rows", B_SCALE_GROUP=SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=SCALE_BLOCK,
-        GROUP_M=8, NUM_PROGRAMS=num_programs, UPCAST=_upcast(a_data.device),
+        GROUP_M=8, NUM_PROGRAMS=num_programs, UPCAST=_upcast(a_data.device), WINDOW=False,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
-                schedule: Schedule, *, engine: str = "auto", config=None) -> torch.Tensor:
+                schedule: Schedule, *, engine: str = "auto", config=None,
+                window: WgradWindow | None = None) -> torch.Tensor:
     """out bf16 [E, M, N]: out[e, m, n] = sum over expert e's rows, in 128-row steps kb (ascending),
     (a[m, kb-block] . b[n, kb-block]) * a_scale[m, kb] * b_scale[n, kb]; an expert with no rows gets zeros.
 
     a_data float8_e4m3fn [M, R] + a_scale fp32 [M, R/128]; b_data float8_e4m3fn [N, R] + b_scale fp32 [N, R/128]
     (R = schedule.capacity, rows along the last, contiguous, dimension; padding rows zero). Needs
-    schedule.block_m % 128 == 0 (no 128-row block straddles two experts)."""
+    schedule.block_m % 128 == 0 (no 128-row block straddles two experts).
+    `window`: one window of the rows (`weight_grad.WgradWindow` with one output, carries [M, N] fp32; the schedule
+    and the operands are the window's): the sums of an expert with rows before the window start from carry_in,
+    those of one with rows after it go to carry_out, and only the window's FINISH experts are written, into
+    window.outs[0], which is returned. The window launches in row order give the one launch's bits (the same
+    K steps, in order, on the same fp32 accumulator)."""
     _check_fp8("a_data", a_data, 2)
     _check_fp8("b_data", b_data, 2)
     m, num_rows = a_data.shape
@@ -292,26 +320,32 @@ def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tenso
     _check_scale("a_scale", a_scale, (m, _cdiv(num_rows, SCALE_BLOCK)), "routed rows per row of a")
     _check_scale("b_scale", b_scale, (n, _cdiv(num_rows, SCALE_BLOCK)), "routed rows per row of b")
     num_experts = schedule.num_experts
-    out = common.empty((num_experts, m, n), torch.bfloat16, a_data.device)
+    if window is None:
+        out = common.empty((num_experts, m, n), torch.bfloat16, a_data.device)
+    else:
+        check_window(window, a_data.device, torch.bfloat16, num_experts, m, n, 1)
+        out = window.outs[0]
     _check_devices(schedule, a_data=a_data, a_scale=a_scale, b_data=b_data, b_scale=b_scale)
     if _engine(engine, schedule, a_data, b_data, out) == "gluon":
         from . import gluon_fp8
-        gluon_fp8.weight_grad(a_data, a_scale, b_data, b_scale, schedule, out, config)
+        gluon_fp8.weight_grad(a_data, a_scale, b_data, b_scale, schedule, out, config, window)
         return out
     if out.numel() == 0:
         return out
     block_m, block_n, num_warps, num_stages = _triton_tiles("k", None)
     max_tiles = num_experts * _cdiv(m, block_m) * _cdiv(n, block_n)
     num_programs = max(1, min(common.num_sms(a_data.device.index), max_tiles))
+    phase, carry_in, carry_out = (None,) * 3 if window is None else (window.expert_phase, window.carry_in,
+                                                                      window.carry_out)
     _fp8_gemm_kernel[(num_programs,)](
-        a_data, a_scale, b_data, b_scale, out,
+        a_data, a_scale, b_data, b_scale, out, phase, carry_in, carry_out,
         schedule.tile_expert, schedule.expert_offsets, num_experts, schedule.block_m,
         m, n, num_rows,
         a_data.stride(0), a_scale.stride(0), a_scale.stride(1),
         0, b_data.stride(0), 0, b_scale.stride(0), b_scale.stride(1),
         out.stride(0), out.stride(1),
         SEGMENT="k", B_SCALE_GROUP=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=SCALE_BLOCK,
-        GROUP_M=8, NUM_PROGRAMS=num_programs, UPCAST=_upcast(a_data.device),
+        GROUP_M=8, NUM_PROGRAMS=num_programs, UPCAST=_upcast(a_data.device), WINDOW=window is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

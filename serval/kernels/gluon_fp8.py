@@ -19,7 +19,10 @@ the 2-D TMA view [E * N, K] (an N-tile past N reads the next expert's rows into 
 last expert's are zero-filled). B_SCALE_GROUP = 128 with BLOCK_N dividing 128: one weight scale per tile and
 step (a scalar). SEGMENT "k" (weight_grad): tiles E x M-tiles x N-tiles (expert-major), each looping over its
 expert's rows [offsets[e], offsets[e + 1]) read from the device table by both roles; A [M, R] and B [N, R];
-per-row b scales (B_SCALE_GROUP = 1, a vector per step); an expert with no rows stores zeros. The host hands
+per-row b scales (B_SCALE_GROUP = 1, a vector per step); an expert with no rows stores zeros. WINDOW (one window
+of the rows, the macrobatch ring's): a tile of the CARRY_IN expert starts from its fp32 carry (pointer loads into
+the accumulator's layout), one of the CARRY_OUT expert stores its fp32 sums to the next carry, and only FINISH
+experts store the output (see `serval.kernels.weight_grad`). The host hands
 the kernel the "k" scales transposed to [R/128, rows padded to whole tiles], so a step's [128] a scales and
 [BLOCK_N] b scales are contiguous runs: the loader brings them into the ring slot with the step's operands by
 TMA, and the consumers read them from shared memory (from global memory their latency stalled the promotion).
@@ -36,6 +39,7 @@ import dataclasses
 import functools
 
 
+from .. import schedule as _schedule
 from ..schedule import Schedule
 from . import common, gluon_common
 
@@ -80,6 +84,11 @@ if gluon_common.GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_common import column_chunks
+
+    # the window phase bits (serval.schedule) as kernel constants
+    CARRY_IN: gl.constexpr = gl.constexpr(_schedule.CARRY_IN)
+    CARRY_OUT: gl.constexpr = gl.constexpr(_schedule.CARRY_OUT)
+    FINISH: gl.constexpr = gl.constexpr(_schedule.FINISH)
 
     @gluon.jit
     def _tile(tile_id, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_m_tiles, num_n_tiles, K,
@@ -136,12 +145,12 @@ if gluon_common.GLUON:
                 count += 1
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
-                  tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
+    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, phase_ptr,
+                  carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
                   stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
                   CONSUMER: gl.constexpr, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  NUM_PROGRAMS: gl.constexpr):
+                  NUM_PROGRAMS: gl.constexpr, WINDOW: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -167,6 +176,16 @@ if gluon_common.GLUON:
                 sa_ptrs = a_scale_ptr + (r0 + gl.arange(0, HALF_M, layout=row_layout)).to(gl.int64) * stride_as_m
                 sb_ptrs = b_scale_ptr + expert.to(gl.int64) * stride_bs_e + (n0 // B_SCALE_GROUP) * stride_bs_n
             acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            out_rows_end = M
+            if WINDOW:  # "k": CARRY_IN starts the sums from the previous window's fp32 carry [M, N]
+                phase = gl.load(phase_ptr + expert)
+                carry_rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
+                carry_cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+                carry = carry_rows[:, None] * N + carry_cols[None, :]
+                carry_ok = (carry_rows < M)[:, None] & (carry_cols < N)[None, :]
+                if (phase & CARRY_IN) != 0:
+                    acc = gl.load(carry_in_ptr + carry, mask=carry_ok, other=0.0)
+                out_rows_end = M * ((phase & FINISH) != 0).to(gl.int32)  # the output only where FINISH
             for k in range(k_begin, k_end, BLOCK_K):
                 slot = count % STAGES
                 mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
@@ -190,10 +209,13 @@ if gluon_common.GLUON:
                 acc = gl.fma(part, scale, acc)
                 count += 1
 
+            if WINDOW:  # CARRY_OUT: the fp32 sums to the next window's carry, not the output
+                if (phase & CARRY_OUT) != 0:
+                    gl.store(carry_out_ptr + carry, acc, mask=carry_ok)
             out_rows_ids = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, store_layout))
             out_rows = (out_ptr + expert.to(gl.int64) * stride_out_e
                         + out_rows_ids.to(gl.int64)[:, None] * stride_out_m)
-            out_row_ok = (out_rows_ids < M)[:, None]
+            out_row_ok = (out_rows_ids < out_rows_end)[:, None]
             chunks = column_chunks(acc, EPI_SPLIT)
             for c in gl.static_range(EPI_SPLIT):
                 value = gl.convert_layout(chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
@@ -202,14 +224,15 @@ if gluon_common.GLUON:
                          mask=out_row_ok & (out_cols < N)[None, :])
 
     @gluon.jit
-    def _fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, a_scale_ptr, b_scale_ptr, out_ptr, tile_expert_ptr,
+    def _fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, a_scale_ptr, b_scale_ptr, out_ptr, phase_ptr, carry_in_ptr,
+                    carry_out_ptr, tile_expert_ptr,
                     expert_offsets_ptr, num_experts, sched_block_m, M, N, K, stride_as_m, stride_as_k,
                     stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m, SEGMENT: gl.constexpr,
                     B_SCALE_GROUP: gl.constexpr, EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    LOADER_REGS: gl.constexpr):
+                    LOADER_REGS: gl.constexpr, WINDOW: gl.constexpr):
         """See the module docstring. "rows": M = R rows, K = K, out [R, N]. "k": M rows of a [M, R], N rows of
-        b [N, R], K = R, out [E, M, N]."""
+        b [N, R], K = R, out [E, M, N]; WINDOW: one window of the rows, phase_ptr [E] int32, carries [M, N] fp32."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -236,13 +259,15 @@ if gluon_common.GLUON:
             num_tiles = num_experts * num_m_tiles * num_n_tiles
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
-                         tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
+                         phase_ptr, carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
                          M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
-                         stride_out_m, 0, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+                         stride_out_m, 0, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS,
+                         WINDOW)),
             (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
-                         tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
+                         phase_ptr, carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
                          M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
-                         stride_out_m, 1, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS)),
+                         stride_out_m, 1, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS,
+                         WINDOW)),
             (_loader, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                        tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N,
                        K, stride_as_k, stride_bs_k, SEGMENT, GROUP_M, STAGES, NUM_PROGRAMS)),
@@ -262,20 +287,23 @@ if gluon_common.GLUON:
 
 
 def _launch(a2d, b2d, a_scale, b_scale, out, schedule: Schedule, *, segment: str, m: int, n: int, k: int,
-            a_scale_strides: tuple, b_scale_strides: tuple, b_scale_group: int, out_strides: tuple, num_tiles_max: int, config: Fp8Config):
+            a_scale_strides: tuple, b_scale_strides: tuple, b_scale_group: int, out_strides: tuple, num_tiles_max: int,
+            config: Fp8Config, window=None):
     num_programs = max(1, min(common.num_sms(a2d.device.index), num_tiles_max))
     a_desc, b_desc = _descriptor(a2d, [BLOCK_M, BLOCK_K]), _descriptor(b2d, [config.block_n, BLOCK_K])
     if segment == "k":  # [KB, rows padded] tables: a step's scales of a tile are one contiguous run
         sa_desc, sb_desc = _scale_descriptor(a_scale, BLOCK_M), _scale_descriptor(b_scale, config.block_n)
     else:
         sa_desc, sb_desc = a_desc, b_desc  # not read
+    phase, carry_in, carry_out = (None,) * 3 if window is None else (window.expert_phase, window.carry_in,
+                                                                      window.carry_out)
     _fp8_kernel[(num_programs,)](
-        a_desc, b_desc, sa_desc, sb_desc, a_scale, b_scale, out,
+        a_desc, b_desc, sa_desc, sb_desc, a_scale, b_scale, out, phase, carry_in, carry_out,
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, m, n, k,
         *a_scale_strides, *b_scale_strides, *out_strides,
         SEGMENT=segment, B_SCALE_GROUP=b_scale_group, EPI_SPLIT=config.epi_split, GROUP_M=config.group_m,
-        STAGES=config.stages, NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_REGS=40, num_warps=4,
-        maxnreg=168)
+        STAGES=config.stages, NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_REGS=40, WINDOW=window is not None,
+        num_warps=4, maxnreg=168)
 
 
 def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None):
@@ -292,8 +320,10 @@ def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, conf
     return out
 
 
-def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None):
-    """`fp8_gemm.weight_grad` on this engine (operands already checked there): writes out bf16 [E, M, N]."""
+def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None,
+                window=None):
+    """`fp8_gemm.weight_grad` on this engine (operands and `window` already checked there): writes out bf16
+    [E, M, N] (with a window: its FINISH experts' gradients, and the CARRY_OUT expert's sums to its carry)."""
     m, num_rows = a_data.shape
     n = b_data.shape[0]
     config = config or choose_config(n, weight_grad=True)
@@ -307,7 +337,7 @@ def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, confi
     _launch(a_data, b_data, a_scale_t, b_scale_t, out, schedule, segment="k", m=m, n=n, k=num_rows,
             a_scale_strides=(1, a_scale_t.stride(0)), b_scale_strides=(0, 1, b_scale_t.stride(0)),
             b_scale_group=1, out_strides=(out.stride(0), out.stride(1)), num_tiles_max=num_tiles_max,
-            config=config)
+            config=config, window=window)
     return out
 
 

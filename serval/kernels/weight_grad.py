@@ -476,11 +476,13 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x0 < y0 + y.numel() * y.element_size() and y0 < x0 + x.numel() * x.element_size()
 
 
-def _check_window(window: WgradWindow, a: torch.Tensor, E: int, P: int, Q: int, num_outputs: int) -> None:
-    """ValueError unless `window` fits a launch with these operands (the kernel trusts every shape)."""
+def check_window(window: WgradWindow, device: torch.device, dtype: torch.dtype, E: int, P: int, Q: int,
+                 num_outputs: int) -> None:
+    """ValueError unless `window` fits a launch on `device` with a [P, Q] gradient per expert in `num_outputs`
+    row blocks of `dtype` (the kernels trust every shape)."""
     tensors = (window.expert_phase, window.carry_in, window.carry_out, *window.outs)
-    if any(t.device != a.device for t in tensors):
-        raise ValueError(f"window tensors must be on {a.device}, got {[str(t.device) for t in tensors]}")
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"window tensors must be on {device}, got {[str(t.device) for t in tensors]}")
     if window.expert_phase.shape != (E,) or window.expert_phase.dtype != torch.int32:
         raise ValueError(f"window.expert_phase must be [{E}] int32, got {list(window.expert_phase.shape)} "
                          f"{window.expert_phase.dtype}")
@@ -494,8 +496,8 @@ def _check_window(window: WgradWindow, a: torch.Tensor, E: int, P: int, Q: int, 
     if len(window.outs) != num_outputs:
         raise ValueError(f"window.outs has {len(window.outs)} tensors, expected num_outputs={num_outputs}")
     for out in window.outs:
-        if out.shape != (E, P // num_outputs, Q) or out.dtype != a.dtype or not out.is_contiguous():
-            raise ValueError(f"window.outs must be contiguous [{E}, {P // num_outputs}, {Q}] {a.dtype} tensors, "
+        if out.shape != (E, P // num_outputs, Q) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"window.outs must be contiguous [{E}, {P // num_outputs}, {Q}] {dtype} tensors, "
                              f"got {list(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (strided)'}")
 
 
@@ -553,7 +555,7 @@ def grouped_wgrad(
     if window is None:
         outs = tuple(common.empty((E, P_out, Q), a.dtype, a.device) for _ in range(num_outputs))
     else:
-        _check_window(window, a, E, P, Q, num_outputs)
+        check_window(window, a.device, a.dtype, E, P, Q, num_outputs)
         outs = window.outs
     if use_tma is None:
         use_tma = common.supports_tma() and a.is_cuda
