@@ -62,6 +62,19 @@ _FINISH: tl.constexpr = tl.constexpr(_schedule.FINISH)
 # ---------------------------------------------------------------- the Triton kernel
 
 @triton.jit
+def _window_experts(phase_ptr, num_experts, E_PAD: tl.constexpr):
+    """(first, count) of the experts a weight-gradient window runs (CARRY_OUT or FINISH): a window is a range of
+    rows, which lie in expert order, so they are a range of ids; the others' tiles are not dealt (in a window of a
+    few experts among many, looping over every expert's empty tiles cost more than the window's work)."""
+    ids = tl.arange(0, E_PAD)
+    phase = tl.load(phase_ptr + ids, mask=ids < num_experts, other=0)
+    active = (phase & (_CARRY_OUT | _FINISH)) != 0
+    first = tl.min(tl.where(active, ids, E_PAD), axis=0)
+    last = tl.max(tl.where(active, ids, -1), axis=0)
+    return first, tl.maximum(last - first + 1, 0)
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, phase_ptr, carry_in_ptr, carry_out_ptr,
     tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
@@ -71,20 +84,24 @@ def _fp8_gemm_kernel(
     stride_out_e, stride_out_m,
     SEGMENT: tl.constexpr, B_SCALE_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr, E_PAD: tl.constexpr,
 ):
     """SEGMENT "rows": out[r, n] over the schedule's used M-tiles (M = R; A [R, K], B [E, N, K]).
     SEGMENT "k": out[e, m, n] for every expert, K = expert e's rows [offsets[e], offsets[e + 1]) of A [M, R] and
     B [N, R] (stride_b_e = stride_bs_e = 0). UPCAST: "fp32" (interpreter), "bf16" (no fp8 MMA), "" (fp8 tl.dot).
     WINDOW ("k" only): one window of the rows; phase_ptr [E] int32, carry_in_ptr / carry_out_ptr [M, N] fp32
-    (see `weight_grad`)."""
+    (see `weight_grad`); E_PAD: E rounded up to a power of two."""
     num_n_tiles = tl.cdiv(N, BLOCK_N)
     if SEGMENT == "rows":
         num_m_tiles = tl.load(expert_offsets_ptr + num_experts) // BLOCK_M  # used tiles only: no host sync
         num_tiles = num_m_tiles * num_n_tiles
     else:
         num_m_tiles = tl.cdiv(M, BLOCK_M)
-        num_tiles = num_experts * num_m_tiles * num_n_tiles
+        first_expert = 0
+        active_experts = num_experts
+        if WINDOW:  # the window's experts only (rows lie in expert order: a range of ids)
+            first_expert, active_experts = _window_experts(phase_ptr, num_experts, E_PAD)
+        num_tiles = active_experts * num_m_tiles * num_n_tiles
     per_expert = num_m_tiles * num_n_tiles
     offs_k = tl.arange(0, BLOCK_K)
 
@@ -95,7 +112,7 @@ def _fp8_gemm_kernel(
             k_begin = 0
             k_end = K
         else:  # expert-major: programs running together share the expert's rows in L2
-            expert = tile_id // per_expert
+            expert = first_expert + tile_id // per_expert
             m_tile, n_tile = common.tile_coords(tile_id % per_expert, num_m_tiles, num_n_tiles, GROUP_M)
             # segments start and end on 128-row blocks (schedule.block_m % 128 == 0, checked on the host)
             k_begin = tl.multiple_of(tl.load(expert_offsets_ptr + expert), BLOCK_K)
@@ -284,7 +301,7 @@ def grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tens
         b_data.stride(0), b_data.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         0, out.stride(0),
         SEGMENT="rows", B_SCALE_GROUP=SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=SCALE_BLOCK,
-        GROUP_M=8, NUM_PROGRAMS=num_programs, UPCAST=_upcast(a_data.device), WINDOW=False,
+        GROUP_M=8, NUM_PROGRAMS=num_programs, UPCAST=_upcast(a_data.device), WINDOW=False, E_PAD=1,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -346,6 +363,7 @@ def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tenso
         out.stride(0), out.stride(1),
         SEGMENT="k", B_SCALE_GROUP=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=SCALE_BLOCK,
         GROUP_M=8, NUM_PROGRAMS=num_programs, UPCAST=_upcast(a_data.device), WINDOW=window is not None,
+        E_PAD=triton.next_power_of_2(num_experts),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

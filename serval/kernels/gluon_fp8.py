@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import triton
 
 from .. import schedule as _schedule
 from ..schedule import Schedule
@@ -92,8 +93,9 @@ if gluon_common.GLUON:
 
     @gluon.jit
     def _tile(tile_id, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_m_tiles, num_n_tiles, K,
-              SEGMENT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr):
-        """(expert, m_tile, n_tile, k_begin, k_end) of work item tile_id; loader and consumers agree on it."""
+              first_expert, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr):
+        """(expert, m_tile, n_tile, k_begin, k_end) of work item tile_id; loader and consumers agree on it. "k":
+        experts from first_expert on (a window's first)."""
         if SEGMENT == "rows":
             m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
             expert = gl.load(tile_expert_ptr + (m_tile * BLOCK_M) // sched_block_m)
@@ -101,16 +103,26 @@ if gluon_common.GLUON:
             k_end = K
         else:
             per_expert = num_m_tiles * num_n_tiles
-            expert = tile_id // per_expert
+            expert = first_expert + tile_id // per_expert
             m_tile, n_tile = common.tile_coords(tile_id % per_expert, num_m_tiles, num_n_tiles, GROUP_M)
             k_begin = gl.load(expert_offsets_ptr + expert)
             k_end = gl.load(expert_offsets_ptr + expert + 1)
         return expert, m_tile, n_tile, k_begin, k_end
 
     @gluon.jit
+    def _window_experts(phase_ptr, num_experts, E_PAD: gl.constexpr):
+        """As `fp8_gemm._window_experts`: (first, count) of the experts a weight-gradient window runs."""
+        ids = gl.arange(0, E_PAD, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        phase = gl.load(phase_ptr + ids, mask=ids < num_experts, other=0)
+        active = (phase & (CARRY_OUT | FINISH)) != 0
+        first = gl.min(gl.where(active, ids, E_PAD), axis=0)
+        last = gl.max(gl.where(active, ids, -1), axis=0)
+        return first, gl.maximum(last - first + 1, 0)
+
+    @gluon.jit
     def _loader(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tile_expert_ptr,
-                expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N, K, stride_as_k,
-                stride_bs_k, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N, K, first_expert,
+                stride_as_k, stride_bs_k, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                 NUM_PROGRAMS: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
@@ -123,8 +135,8 @@ if gluon_common.GLUON:
         count = 0
         for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             expert, m_tile, n_tile, k_begin, k_end = _tile(tile_id, tile_expert_ptr, expert_offsets_ptr,
-                                                           sched_block_m, num_m_tiles, num_n_tiles, K, SEGMENT,
-                                                           GROUP_M, BLOCK_M)
+                                                           sched_block_m, num_m_tiles, num_n_tiles, K, first_expert,
+                                                           SEGMENT, GROUP_M, BLOCK_M)
             m0 = m_tile * BLOCK_M
             if SEGMENT == "rows":
                 b_row = expert * N + n_tile * BLOCK_N  # the [E * N, K] view
@@ -146,8 +158,8 @@ if gluon_common.GLUON:
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, phase_ptr,
-                  carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, M, N, K,
-                  stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
+                  carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles,
+                  num_m_tiles, num_n_tiles, M, N, K, first_expert, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m,
                   CONSUMER: gl.constexpr, SEGMENT: gl.constexpr, B_SCALE_GROUP: gl.constexpr,
                   EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   NUM_PROGRAMS: gl.constexpr, WINDOW: gl.constexpr):
@@ -168,8 +180,8 @@ if gluon_common.GLUON:
         part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)  # the wgmma's registers
         for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             expert, m_tile, n_tile, k_begin, k_end = _tile(tile_id, tile_expert_ptr, expert_offsets_ptr,
-                                                           sched_block_m, num_m_tiles, num_n_tiles, K, SEGMENT,
-                                                           GROUP_M, BLOCK_M)
+                                                           sched_block_m, num_m_tiles, num_n_tiles, K, first_expert,
+                                                           SEGMENT, GROUP_M, BLOCK_M)
             r0 = m_tile * BLOCK_M + CONSUMER * HALF_M
             n0 = n_tile * BLOCK_N
             if SEGMENT == "rows":  # per-row a scales, one b scale per tile and step
@@ -230,9 +242,10 @@ if gluon_common.GLUON:
                     stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e, stride_out_m, SEGMENT: gl.constexpr,
                     B_SCALE_GROUP: gl.constexpr, EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
                     STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    LOADER_REGS: gl.constexpr, WINDOW: gl.constexpr):
+                    LOADER_REGS: gl.constexpr, WINDOW: gl.constexpr, E_PAD: gl.constexpr):
         """See the module docstring. "rows": M = R rows, K = K, out [R, N]. "k": M rows of a [M, R], N rows of
-        b [N, R], K = R, out [E, M, N]; WINDOW: one window of the rows, phase_ptr [E] int32, carries [M, N] fp32."""
+        b [N, R], K = R, out [E, M, N]; WINDOW: one window of the rows, phase_ptr [E] int32, carries [M, N] fp32,
+        E_PAD: E rounded up to a power of two."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -257,20 +270,26 @@ if gluon_common.GLUON:
         else:
             num_m_tiles = gl.cdiv(M, BLOCK_M)
             num_tiles = num_experts * num_m_tiles * num_n_tiles
+        first_expert = 0
+        if WINDOW:  # the window's experts only (rows lie in expert order: a range of ids)
+            first_expert, active_experts = _window_experts(phase_ptr, num_experts, E_PAD)
+            num_tiles = active_experts * num_m_tiles * num_n_tiles
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
-                         phase_ptr, carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
-                         M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
+                         phase_ptr, carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m,
+                         num_tiles, num_m_tiles, num_n_tiles,
+                         M, N, K, first_expert, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
                          stride_out_m, 0, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS,
                          WINDOW)),
             (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr,
-                         phase_ptr, carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles,
-                         M, N, K, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
+                         phase_ptr, carry_in_ptr, carry_out_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m,
+                         num_tiles, num_m_tiles, num_n_tiles,
+                         M, N, K, first_expert, stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k, stride_out_e,
                          stride_out_m, 1, SEGMENT, B_SCALE_GROUP, EPI_SPLIT, GROUP_M, STAGES, NUM_PROGRAMS,
                          WINDOW)),
             (_loader, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                        tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N,
-                       K, stride_as_k, stride_bs_k, SEGMENT, GROUP_M, STAGES, NUM_PROGRAMS)),
+                       K, first_expert, stride_as_k, stride_bs_k, SEGMENT, GROUP_M, STAGES, NUM_PROGRAMS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
     @functools.lru_cache(maxsize=None)
@@ -303,7 +322,7 @@ def _launch(a2d, b2d, a_scale, b_scale, out, schedule: Schedule, *, segment: str
         *a_scale_strides, *b_scale_strides, *out_strides,
         SEGMENT=segment, B_SCALE_GROUP=b_scale_group, EPI_SPLIT=config.epi_split, GROUP_M=config.group_m,
         STAGES=config.stages, NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_REGS=40, WINDOW=window is not None,
-        num_warps=4, maxnreg=168)
+        E_PAD=triton.next_power_of_2(schedule.num_experts), num_warps=4, maxnreg=168)
 
 
 def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None):
