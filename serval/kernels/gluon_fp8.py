@@ -22,7 +22,8 @@ expert's rows [offsets[e], offsets[e + 1]) read from the device table by both ro
 per-row b scales (B_SCALE_GROUP = 1, a vector per step); an expert with no rows stores zeros. WINDOW (one window
 of the rows, the macrobatch ring's): a tile of the CARRY_IN expert starts from its fp32 carry (pointer loads into
 the accumulator's layout), one of the CARRY_OUT expert stores its fp32 sums to the next carry, and only FINISH
-experts store the output (see `serval.kernels.weight_grad`). The host hands
+experts store the output (see `serval.kernels.weight_grad`); only the window's experts' tiles are dealt (a range
+of ids, read from the phases on the device). The host hands
 the kernel the "k" scales transposed to [R/128, rows padded to whole tiles], so a step's [128] a scales and
 [BLOCK_N] b scales are contiguous runs: the loader brings them into the ring slot with the step's operands by
 TMA, and the consumers read them from shared memory (from global memory their latency stalled the promotion).
