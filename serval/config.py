@@ -30,20 +30,20 @@ class Config:
         interpreter needs numpy, which the `test` extra installs).
     block_m: rows per expert segment alignment = the M tile of every grouped GEMM.
     recompute: keep only the inputs for backward and recompute the gate/up GEMM there.
-    comm_sms_forward / comm_sms_backward: at expert parallelism, on the kernels, in bf16: how many programs
-        (one per SM) of the gate/up GEMM (forward: x's rows) / of the down dgrad (backward: d_y's rows, which
+    comm_sms_forward / comm_sms_backward: at expert parallelism, on the kernels, in bf16 and mxfp8 (whose pull
+        programs quantize and dequantize the rows they pull, as the staged pass does after its pull): how many
+        programs (one per SM) of the gate/up GEMM (forward: x's rows) / of the down dgrad (backward: d_y's rows, which
         then serve the down weight gradient too) pull the GEMM's rows from the owners' token buffers while the
         others compute, M-tile by M-tile (the dispatch inside the GEMM, `serval.kernels.in_gemm_pull`; the
         backward's second pull, x's rows for the gate/up weight gradient, stays staged); 0: the transport's
         pull kernel runs before the GEMM (the staged path); None: the kernel plan's choice
         (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: the forward's staged pull measured
         faster at EP=2, a measurement to repeat (docs/DESIGN.md); the backward's in-GEMM pull is not measured).
-        Nothing to move at EP=1, on the torch stages or in a staged FP8 pass (whose rows are pulled, then
-        quantized): no effect there. A fused pass (`KernelPlan.fused_forward` / `fused_backward`, bf16 or mxfp8)
-        always pulls its own rows: there None and 0 mean `serval.overlap.FUSED_COMM_SMS` (8, the EP cost model's
-        choice). Never changes results (a
-        backward that pulls in the down dgrad runs it on the Triton engine, which gives the ping-pong engine's bits,
-        d_router_weights included: `serval.plan`).
+        Nothing to move at EP=1, on the torch stages or in a staged fp8_blockwise pass (whose rows are pulled,
+        then quantized to E4M3): no effect there. A fused pass (`KernelPlan.fused_forward` / `fused_backward`,
+        bf16 or mxfp8) always pulls its own rows: there None and 0 mean `serval.overlap.FUSED_COMM_SMS` (8, the
+        EP cost model's choice). Never changes results (a backward that pulls in the down dgrad runs it on the
+        Triton engine, which gives the ping-pong engine's bits, d_router_weights included: `serval.plan`).
     minibatch_size: rows per compute/communication overlap step, a multiple of block_m: in a GEMM that pulls
         its rows (comm_sms_* > 0), the compute programs take every output tile of one minibatch's rows before
         the next minibatch's (while that one arrives); in a fused pass, the minibatch of its task order (EP=1

@@ -500,9 +500,14 @@ def forward(x, router_weights, schedule: Schedule, w_gate, w_up, w_down, shared=
         gate_up, h, shared_gate_up, shared_h = _gate_up(ops, x, w_gate, w_up, shared, schedule, shared_schedule,
                                                         swiglu_limit, workspace)
     else:
-        x_rows = None if transport is None else transport.pull(x, schedule.row_source)
-        out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
-                                      expert_weights)
+        if transport is not None and precision.pulls_in_gemm(ops, recipe, backward=False):  # the GEMM pulls x's rows
+            out, kept = transport.pull_into(lambda source: precision.forward(
+                ops, recipe, x, None, w_gate, w_up, w_down, schedule, swiglu_limit, expert_weights,
+                pull=dict(pull_from=source, pull_flags=workspace.pull_flags)), x)
+        else:
+            x_rows = None if transport is None else transport.pull(x, schedule.row_source)
+            out, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
+                                          expert_weights)
         gate_up = None
         shared_gate_up, shared_h = _shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit)
     shared_o = None  # [Rs, H]
@@ -749,11 +754,22 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
                                                                        ctx.kept, row_rw, schedule, w_gate.shape[1])
     else:
         schedule = ctx.schedule
-        d_y_rows, x_rows = (None, None) if transport is None else (transport.pull(d_y, schedule.row_source),
-                                                                   transport.pull(x, schedule.row_source))
-        d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = precision.backward(
-            ops, recipe, d_y, d_y_rows, x, x_rows, ctx.kept, row_router_weights, w_gate, w_up, w_down, schedule,
-            ctx.swiglu_limit, expert_weights, weight_grads)
+        pulls = transport is not None and precision.pulls_in_gemm(ops, recipe, backward=True)
+        x_rows = d_y_rows = None
+        if transport is not None:
+            x_rows = transport.pull(x, schedule.row_source)
+            d_y_rows = d_y.new_empty(schedule.capacity, d_y.shape[1]) if pulls else transport.pull(d_y,
+                                                                                                   schedule.row_source)
+
+        def experts_backward(d_y_pull=None):
+            return precision.backward(ops, recipe, d_y, d_y_rows, x, x_rows, ctx.kept, row_router_weights, w_gate,
+                                      w_up, w_down, schedule, ctx.swiglu_limit, expert_weights, weight_grads,
+                                      d_y_pull=d_y_pull)
+        if pulls:  # the down dgrad pulls d_y's rows (into d_y_rows, as pulled)
+            d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = transport.pull_into(
+                lambda source: experts_backward(dict(pull_from=source, pull_flags=workspace.pull_flags)), d_y)
+        else:
+            d_x_rows, d_rw_rows, d_w_gate, d_w_up, d_w_down = experts_backward()
         d_x = ops.sum_slots(*_rows_out(d_x_rows, schedule, transport), shared_d_x)
         del d_x_rows
         d_router_weights = _router_weight_grad(d_rw_rows, router_weights, schedule, transport)

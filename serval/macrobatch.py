@@ -110,10 +110,14 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
                     ops.down(h, w_down, s, push_to=target)
                     if not first:
                         first.append(gate_up)
-                else:  # the recipe's staged experts on the pulled rows (quantized after the pull)
-                    x_rows = _pull(source, s.row_source, x_ring[: s.capacity])
+                else:  # the recipe's staged experts on the pulled rows (quantized after the pull, or by the pull)
+                    x_rows, pull = None, None
+                    if precision.pulls_in_gemm(ops, recipe, backward=False):
+                        pull = dict(pull_from=source, pull_flags=workspace.pull_flags)
+                    else:
+                        x_rows = _pull(source, s.row_source, x_ring[: s.capacity])
                     o_rows, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, s, swiglu_limit,
-                                                     made, push_to=target, keeps=not first)
+                                                     made, push_to=target, keeps=not first, pull=pull)
                     _push(o_rows, s.row_source, target)
                     if not first:
                         first.append(kept)
@@ -187,10 +191,14 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
                                                                 swiglu_limit, **pull)
             ops.gate_up_dgrad(d_gate_up, w_gate, w_up, s, push_to=target)
         else:  # the recipe's staged backward on the pulled rows, its weight gradients window by window
-            _pull(d_y_source, s.row_source, d_y_rows)
+            d_y_pull = None
+            if precision.pulls_in_gemm(ops, recipe, backward=True):  # the down dgrad pulls d_y's rows
+                d_y_pull = pull
+            else:
+                _pull(d_y_source, s.row_source, d_y_rows)
             d_x_rows, d_rw, *_ = precision.backward(ops, recipe, d_y, d_y_rows, x, x_rows, kept, row_router_weights,
                                                     w_gate, w_up, w_down, s, swiglu_limit, made, weight_grads,
-                                                    push_to=target, windows=wgrad_windows)
+                                                    push_to=target, windows=wgrad_windows, d_y_pull=d_y_pull)
             _push(d_x_rows, s.row_source, target)
         d_rw_rows[window.start: window.start + s.capacity] = d_rw
         if wgrad_windows is not None and recipe is None:

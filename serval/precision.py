@@ -325,7 +325,7 @@ def fused_backward_operands(recipe: Recipe, d_y, kept: Kept, w_gate, w_up, w_dow
 
 
 def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit,
-            made: ExpertWeights | None = None, push_to=None, keeps: bool = True):
+            made: ExpertWeights | None = None, push_to=None, keeps: bool = True, pull: dict | None = None):
     """The routed experts: (o [R, H] bf16, Kept). x [N, H] bf16: the tokens; x_rows [R, H]: their rows pulled
     at EP (quantized after the pull), None at EP=1, where the tokens are quantized once and their rows
     gathered in E4M3 (row blocks do not depend on the row order: the same bits, a k-th of the work).
@@ -333,7 +333,9 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     GEMMs' form (`expert_weights` or `gemm_weights`), else they are quantized here. push_to: the owners' slots
     (`serval.peers.PeerSlots`), where a down GEMM that can (on BF16 engines: mxfp8) writes o's rows from its
     epilogue, returning None for o; an FP8 GEMM returns them for the caller to push. keeps False: Kept is None
-    and not made (a later window of the macrobatch ring, whose backward recomputes it)."""
+    and not made (a later window of the macrobatch ring, whose backward recomputes it). pull (`pulls_in_gemm`):
+    the gate/up stage's pull_from and pull_flags: at EP its GEMM pulls x's rows itself (x_rows None), round-trips
+    them and computes on them as they arrive."""
     made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("gate_up",) if w_down is None else ("gate_up", "down"))
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
@@ -341,6 +343,8 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
         # one row pass: h, h quantized along I, and the pre-activations kept in packed rows, as BF16 keeps them
         h, h_q, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block, recipe.scale_format)
         del gate_up_rows
+    elif pull is not None:
+        gate_up, h = ops.gate_up_swiglu(x, *made.gate_up, schedule, swiglu_limit, quant_block=recipe.block, **pull)
     else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
         x_deq = recipe.rows(x if x_rows is None else x_rows)[1]
         gate_up, h = ops.gate_up_swiglu(x_deq, *made.gate_up, schedule, swiglu_limit,
@@ -353,6 +357,13 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     if recipe.fp8_gemm:
         return ops.fp8_grouped_gemm(h_q, made.down, schedule), kept
     return ops.down(recipe.rows(h)[1], made.down, schedule, **_push(push_to)), kept
+
+
+def pulls_in_gemm(ops, recipe: Recipe, backward: bool) -> bool:
+    """Whether a staged pass's first GEMM pulls its own rows at EP (x's forward, d_y's backward): on stages whose
+    GEMM does (`Config.comm_sms_forward` / `comm_sms_backward`), for a recipe whose GEMMs run on the BF16 engines
+    (mxfp8: the pull programs round-trip the rows they pull); fp8_blockwise's rows are pulled, then quantized."""
+    return not recipe.fp8_gemm and (ops.pulls_in_dgrad if backward else ops.pulls_in_gemm)
 
 
 def _push(push_to) -> dict:
@@ -370,13 +381,15 @@ def _rows_quantized(tokens, rows, schedule: Schedule, quantize_along):
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
              schedule: Schedule, swiglu_limit, made: ExpertWeights | None = None, weight_grads: bool = True,
-             push_to=None, windows=None):
+             push_to=None, windows=None, d_y_pull: dict | None = None):
     """Gradients of the routed experts from d_y and x [N, H] (bf16), their rows [R, H] pulled at EP (None at
     EP=1: the quantization passes read the tokens' rows through the schedule, no bf16 rows are made) and the
     group's router weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up,
     d_w_down). made: as in `forward`. weight_grads False: the weight gradients are None (none of their
     quantizations or GEMMs run). push_to: as in `forward`, for d_x's rows. windows: the macrobatch ring's
-    (`expert_weight_grads`)."""
+    (`expert_weight_grads`). d_y_pull (`pulls_in_gemm`): the down dgrad's pull_from and pull_flags: at EP it pulls
+    d_y's rows itself, into d_y_rows (an empty [R, H] buffer: the rows as pulled, for the weight gradients) and
+    round-tripped into the rows it reads."""
     dtype = x.dtype
     made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("down_t", "gate_up_t"))
     at_ep1 = d_y_rows is None
@@ -387,6 +400,10 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         d_gate_up, d_gate_up_q, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw,
                                                                     swiglu_limit)
         del d_h_raw
+    elif d_y_pull is not None:
+        d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, made.down_t, dequantize(kept.gate_up, dtype),
+                                                        router_weights, schedule, swiglu_limit,
+                                                        quant_block=recipe.block, **d_y_pull)
     else:
         d_y_deq = _rows_quantized(d_y, d_y_rows, schedule, recipe.rows)[1]
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_deq, made.down_t, dequantize(kept.gate_up, dtype),

@@ -343,7 +343,8 @@ def test_ep_skewed_routing_drops_nothing(world_size, tmp_path):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
 @pytest.mark.parametrize("variant,precision", [("staged", "bf16"), ("in-gemm-pull", "bf16"), ("fused", "bf16"),
-                                               ("staged", "mxfp8"), ("fused", "mxfp8"), ("staged", "fp8_blockwise")])
+                                               ("staged", "mxfp8"), ("in-gemm-pull", "mxfp8"), ("fused", "mxfp8"),
+                                               ("staged", "fp8_blockwise")])
 def test_ep_macrobatch_ring_in_interpreter(variant, precision, tmp_path):
     """A skewed routing through a ring of a few tiles (macrobatch_size 8 tokens: 16-row windows in bf16, 128-row
     ones in the FP8 precisions (their block_m), several a pass, some empty): the kernels stream the rows window by
@@ -357,9 +358,12 @@ def test_ep_macrobatch_ring_in_interpreter(variant, precision, tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
-@pytest.mark.parametrize("pull_programs", [0, 2])
-def test_ep_triton_kernels_in_interpreter(pull_programs, tmp_path):
-    run(2, tmp_path, backend="triton", pull_programs=pull_programs)
+@pytest.mark.parametrize("pull_programs,precision", [(0, "bf16"), (2, "bf16"), (2, "mxfp8")])
+def test_ep_triton_kernels_in_interpreter(pull_programs, precision, tmp_path):
+    """The staged kernels at EP (the default ring holds every row: one pass), with and without pull programs; mxfp8's
+    pull programs round-trip the rows they pull (I = 32)."""
+    run(2, tmp_path, backend="triton", pull_programs=pull_programs, precision=precision,
+        inter=32 if precision == "mxfp8" else I)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
@@ -428,12 +432,14 @@ def test_ep_symmetric_memory_on_one_gpu(world_size, tmp_path, monkeypatch):
 
 
 @requires_cuda
-def test_ep_in_gemm_pulls_on_one_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_ep_in_gemm_pulls_on_one_gpu(precision, tmp_path, monkeypatch):
     """comm_sms_forward / comm_sms_backward > 0 on the CUDA path: the gate/up GEMM and the down dgrad pull their
-    rows themselves (bounded flag waits); bitwise equal to EP=1."""
+    rows themselves (bounded flag waits; mxfp8: round-tripped as pulled); bitwise equal to EP=1."""
     monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8)
+    run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, precision=precision,
+        inter=128 if precision == "mxfp8" else I)
 
 
 @requires_cuda

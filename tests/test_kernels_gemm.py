@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -334,17 +335,23 @@ def check_push(case, stage, world_size, use_tma):
         assert torch.isnan(torch.stack(buffers)[~written].float()).all(), f"{stage}: a slot no row maps to was written"
 
 
-def check_pull(case, world_size, use_tma, limit=None):
+def check_pull(case, world_size, use_tma, limit=None, quant_block=0):
     """The gate/up GEMM pulling its own rows (pull_from, communication programs) from P virtual ranks' token
     buffers: consecutive chunks of x, each padded with NaN tokens no source maps to (a read of one would
-    show). Bitwise the gate_up and h of the plain GEMM on x."""
+    show). Bitwise the gate_up and h of the plain GEMM on x. quant_block 32 (mxfp8): the pull round-trips the
+    rows, bitwise the plain GEMM on x quantized and dequantized along H (`serval.ops.quantize`); the down dgrad
+    pulling the same rows as d_y keeps them as pulled and reads the round trip."""
+    from serval.ops import quantize
     from serval.peers import PeerTokens
     from serval.transport import symm
 
     schedule, x = case["schedule"], case["x"]
     args = (case["w_gate"], case["w_up"], schedule, limit)
-    plan = triton_plan(use_tma, pull_programs=2)
-    want = gemm_stages.gate_up_swiglu(x, *args, plan=plan)
+    plan = triton_plan(use_tma, pull_programs=2, dgrad_pull_programs=2)
+    x_read = quantize(x, block=(1, quant_block), scale_format="e8m0", dequantized=True)[1] if quant_block else x
+    want = gemm_stages.gate_up_swiglu(x_read, *args, plan=plan)
+    dgrad = (case["w_down"], want[0], case["router_weights"], schedule, limit)
+    want_dgrad = gemm_stages.down_dgrad_swiglu(rows.gather(x_read, schedule), *dgrad, plan=plan)
     flags = in_gemm_pull.new_flags(schedule.capacity // 16, x.device)
     per_rank = -(-x.shape[0] // world_size) + 1
     padded = torch.full((world_size * per_rank, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
@@ -355,8 +362,16 @@ def check_pull(case, world_size, use_tma, limit=None):
     for aligned in {False, symm.vector_aligned(addresses, x.shape[1], 2)}:
         source = PeerTokens(table, per_rank, schedule.top_k, x.shape[1], x.dtype, aligned)
         for _ in range(2):  # the second call waits for the next epoch, not the first call's flags
-            got = gemm_stages.gate_up_swiglu(torch.empty_like(x), *args, plan=plan, pull_from=source, pull_flags=flags)
+            got = gemm_stages.gate_up_swiglu(torch.empty_like(x), *args, plan=plan, pull_from=source, pull_flags=flags,
+                                             quant_block=quant_block)
             assert_bitwise_equal(got, want, "gate_up_swiglu pulling its rows")
+        if quant_block:
+            pulled = torch.full((schedule.capacity, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+            got = gemm_stages.down_dgrad_swiglu(pulled, *dgrad, plan=plan, pull_from=source, pull_flags=flags,
+                                                quant_block=quant_block)
+            assert_bitwise_equal(got, want_dgrad, "down_dgrad_swiglu pulling and round-tripping its rows")
+            used = int(schedule.expert_offsets[-1])  # the pull covers the used M-tiles
+            assert_bitwise_equal(pulled[:used], rows.gather(x, schedule)[:used], "the rows as pulled")
 
 
 @pytest.mark.parametrize("routing", ["random", "empty_experts", "one_expert", "one_token"])
@@ -364,6 +379,12 @@ def check_pull(case, world_size, use_tma, limit=None):
 @pytest.mark.parametrize("use_tma", TMA_CHOICES)
 def test_gate_up_pulls_its_rows(routing, world_size, use_tma):
     check_pull(make_case(routing), world_size, use_tma)
+
+
+@pytest.mark.parametrize("routing", ["random", "one_token"])
+def test_pulls_round_trip_their_rows(routing):
+    """mxfp8's staged GEMMs at EP with pull programs (Config.comm_sms_*): H = 48, a partial last block."""
+    check_pull(make_case(routing, hidden=48), 3, TMA_CHOICES[0], limit=None, quant_block=32)
 
 
 @pytest.mark.parametrize("routing", ["random", "empty_experts", "one_token"])
@@ -513,28 +534,33 @@ from serval.peers import PeerTokens
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule
 
-hidden, inter, E, N, P = int(sys.argv[1]), int(sys.argv[2]), 4, 256, 2
+hidden, inter, quant_block, E, N, P = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), 4, 256, 2
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
 source = PeerTokens(torch.zeros(P, dtype=torch.int64), N // P, 2, hidden, torch.bfloat16, True)
-pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c, *in_gemm_pull.new_flags(schedule.capacity // 128, "cpu"))
+pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c, *in_gemm_pull.new_flags(schedule.capacity // 128, "cpu"),
+                         quant_block)
 compile_launch_in_this_child(triton_gemm, "_grouped_gemm_kernel", lambda: triton_gemm.gate_up_swiglu(
     torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
-    torch.zeros(E, inter, hidden, **bf16), schedule, 7.0, plan.gate_up_tiles, True, pull=pull), sys.argv[3])
+    torch.zeros(E, inter, hidden, **bf16), schedule, 7.0, plan.gate_up_tiles, True, pull=pull), sys.argv[4])
 """
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU tests run the kernel itself")
-def test_gate_up_with_pull_programs_compiles_for_sm90a(tmp_path):
+@pytest.mark.parametrize("quant_block", [0, 32])
+def test_gate_up_with_pull_programs_compiles_for_sm90a(quant_block, tmp_path):
     """The gate/up GEMM with pull programs (the dispatch inside the GEMM at EP), with the plan's Hopper tiles,
     compiles for sm_90a with its wgmma pipelined: no printf in it on the GPU (ptxas's C7510 warning would say
-    that a function call serialized every wgmma of the kernel)."""
+    that a function call serialized every wgmma of the kernel), spilling nothing; also with the pull's mxfp8 round
+    trip (64-column steps)."""
     from sm90 import compile_in_child
 
-    shared, report = compile_in_child(PULL_GEMM_CHILD, [512, 256], tmp_path)
+    shared, report = compile_in_child(PULL_GEMM_CHILD, [512, 256, quant_block], tmp_path)
     assert shared <= 232448, f"{shared} bytes of shared memory"
     assert "C7510" not in report, report
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) == 0, report
 
 
 # ---------------------------------------------------------------- GPU, real sizes
@@ -582,9 +608,9 @@ def test_gpu_all_stages(how, use_tma):
 
 
 @needs_cuda
-@pytest.mark.parametrize("how", ["random", "last_expert"])
-def test_gpu_gate_up_pulls_its_rows(how):
-    check_pull(_gpu_case(how), world_size=4, use_tma=True, limit=7.0)
+@pytest.mark.parametrize("how,quant_block", [("random", 0), ("last_expert", 0), ("random", 32)])
+def test_gpu_gate_up_pulls_its_rows(how, quant_block):
+    check_pull(_gpu_case(how), world_size=4, use_tma=True, limit=7.0, quant_block=quant_block)
 
 
 @needs_cuda

@@ -599,9 +599,7 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
         pull.epoch.add_(1)
         pull_args = (pull.source.top_k, pull.source.table, pull.source.num_tokens * pull.source.top_k, pull.flags,
                      pull.epoch, pulled if pulled is not None else h)
-        # mxfp8: 2 blocks a step, whole blocks for the round trip (256 columns spilled 108 bytes, 32 spilled 68,
-        # 64 spill 28 in the backward: sm_90a compile)
-        pull_block_c = 2 * quant_block if quant_block else min(pull.block_c, triton.next_power_of_2(hidden))
+        pull_block_c = in_gemm_pull.step_columns(pull.block_c, quant_block, hidden)
     if max_tasks + 2 * num_programs >= 2**31:
         raise ValueError(f"fused pass: {max_tasks} tasks do not fit the int32 task counter")
     # one minibatch size for both expert groups; clamped only where one minibatch holds every M-tile of both

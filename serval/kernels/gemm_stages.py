@@ -34,34 +34,40 @@ def _pulling_tiles(tiles: TileConfig, plan: KernelPlan, pull: in_gemm_pull.Pull,
 
 
 def _in_gemm_pull(plan: KernelPlan, programs: int, tiles: TileConfig, pull_from: PeerTokens, pull_flags, rows,
-                  schedule: Schedule, hidden: int, inter: int):
+                  schedule: Schedule, hidden: int, inter: int, quant_block: int = 0, raw_rows=None):
     """(Pull, tiles) of a GEMM whose first `programs` programs pull its A rows into `rows` (a contiguous
-    [R, H] buffer of the token buffers' dtype): ValueError unless the arguments fit."""
+    [R, H] buffer of the token buffers' dtype; with quant_block, round-tripped, and as pulled into raw_rows if
+    given): ValueError unless the arguments fit."""
+    if not isinstance(quant_block, int) or quant_block < 0:
+        raise ValueError(f"quant_block must be 0 or a block size (mxfp8: 32), got {quant_block!r}")
     if (pull_flags is None or pull_from.cols != hidden or pull_from.dtype != rows.dtype
             or tuple(rows.shape) != (schedule.capacity, hidden) or not rows.is_contiguous()):
         raise ValueError(f"pull_from: token buffers of [{pull_from.cols}] {pull_from.dtype} columns for A rows "
                          f"[{schedule.capacity}, {hidden}] {rows.dtype} (contiguous), and pull_flags")
-    pull = in_gemm_pull.Pull(pull_from, max(programs, 1), plan.pull_block_c, *pull_flags)
+    pull = in_gemm_pull.Pull(pull_from, max(programs, 1), plan.pull_block_c, *pull_flags, quant_block, raw_rows)
     return pull, _pulling_tiles(tiles, plan, pull, schedule, hidden, inter, rows.device)
 
 
 def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, *, plan: KernelPlan,
                    a_rows: torch.Tensor | None = None, pull_from: PeerTokens | None = None,
-                   pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None):
+                   pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None, quant_block: int = 0):
     """Gate/up GEMM + SwiGLU of x's rows: gate_up [num_packed, 2I] (packed rows), h [R, I].
 
     x [N, H]; w_gate, w_up [E, I, H]. a_rows [R, H]: the rows already gathered or pulled; without them the
     stage gathers x's rows itself (on the cooperative engine, its loader does). pull_from: at EP, the owners'
     token buffers, which plan.pull_programs of the GEMM's programs pull the rows from while the others
-    compute, with `pull_flags` (`in_gemm_pull.new_flags`, kept by the workspace); x is then not read.
+    compute, with `pull_flags` (`in_gemm_pull.new_flags`, kept by the workspace); x is then not read;
+    quant_block 32 (mxfp8): the pulled rows are E8M0-quantized and dequantized along H before the GEMM reads them.
     """
     hidden = w_gate.shape[2]
+    if quant_block and pull_from is None:
+        raise ValueError("quant_block: only the GEMM's own pull round-trips its rows (pass pull_from)")
     if pull_from is not None:
         if a_rows is not None:
             raise ValueError("pull_from: the GEMM pulls its rows itself; pass no a_rows")
         a_rows = common.empty((schedule.capacity, hidden), x.dtype, x.device)
         pull, tiles = _in_gemm_pull(plan, plan.pull_programs, plan.gate_up_tiles, pull_from, pull_flags, a_rows,
-                                    schedule, hidden, w_gate.shape[1])
+                                    schedule, hidden, w_gate.shape[1], quant_block)
         return triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, swiglu_limit, tiles, plan.use_tma,
                                           pull=pull)
     if a_rows is None:
@@ -145,15 +151,19 @@ def down(h, w_down, schedule: Schedule, *, plan: KernelPlan, push_to: PeerSlots 
 
 def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Schedule, swiglu_limit: float | None,
                       *, plan: KernelPlan, pull_from: PeerTokens | None = None,
-                      pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None):
+                      pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None, quant_block: int = 0):
     """d_h = rw * (d_y_row @ w_down[e]), the SwiGLU backward and the router-weight gradient, in one GEMM.
 
     d_y_rows [R, H]; w_down [E, H, I]; gate_up [num_packed, 2I] packed, as gate_up_swiglu returns it;
     router_weights [N, k] (the group's [P*N, k] at EP). Returns d_gate_up [R, 2I], h_weighted = rw * h
     [R, I] and d_rw_rows fp32 [R]. pull_from (at EP, with pull_flags): d_y_rows is an empty [R, H] buffer that
     plan.dgrad_pull_programs of the GEMM's programs fill from the owners' token buffers (d_y) while the others
-    compute, on the Triton engine; the caller reads the rows from it afterwards."""
+    compute, on the Triton engine; the caller reads the rows from it afterwards. quant_block 32 (mxfp8, with
+    pull_from): the GEMM reads the pulled rows E8M0-quantized and dequantized along H, d_y_rows gets them as
+    pulled (for the weight gradient's own quantization)."""
     inter = w_down.shape[2]
+    if quant_block and pull_from is None:
+        raise ValueError("quant_block: only the GEMM's own pull round-trips its rows (pass pull_from)")
     if gate_up.shape != (schedule.num_packed, 2 * inter):
         raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
                          f"(schedule.num_packed, 2I), got {tuple(gate_up.shape)}")
@@ -161,7 +171,10 @@ def down_dgrad_swiglu(d_y_rows, w_down, gate_up, router_weights, schedule: Sched
     pull, tiles = None, plan.down_dgrad_tiles
     if pull_from is not None:
         pull, tiles = _in_gemm_pull(plan, plan.dgrad_pull_programs, tiles, pull_from, pull_flags, d_y_rows,
-                                    schedule, w_down.shape[1], inter)
+                                    schedule, w_down.shape[1], inter, quant_block,
+                                    raw_rows=d_y_rows if quant_block else None)
+        if quant_block:  # the GEMM reads the round trip, d_y_rows keeps the rows as pulled
+            d_y_rows = torch.empty_like(d_y_rows)
     pingpong = plan.down_dgrad_engine == "pingpong" and pull is None  # a pull runs on the Triton engine
     if pingpong and gluon_common.takes(schedule, d_y_rows, w_down, gate_up, k=w_down.shape[1], split_at=inter):
         d_gate_up, h_weighted, d_rw_partial = gluon_pingpong.down_dgrad_swiglu_partials(

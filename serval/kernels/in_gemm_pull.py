@@ -31,13 +31,23 @@ from . import quantize
 
 class Pull(NamedTuple):
     """What the GEMM needs to pull its own rows: where the owners' tokens are, how many programs pull and
-    how many columns a step, and the flags (int32 [>= M-tiles]) and epoch (int32 [1]) of `new_flags`."""
+    how many columns a step, and the flags (int32 [>= M-tiles]) and epoch (int32 [1]) of `new_flags`.
+    quant_block > 0 (mxfp8): A gets the rows E8M0 round-tripped (`pull_tiles`), and raw_rows, if given (a
+    contiguous buffer shaped as A), the rows as pulled."""
 
     source: PeerTokens
     programs: int
     block_c: int
     flags: torch.Tensor
     epoch: torch.Tensor
+    quant_block: int = 0
+    raw_rows: torch.Tensor | None = None
+
+
+def step_columns(block_c: int, quant_block: int, k: int) -> int:
+    """Columns a pull program moves a step: block_c, at most K's next power of two; with a round trip (quant_block,
+    mxfp8) two whole blocks (wider steps spill registers on sm_90a)."""
+    return 2 * quant_block if quant_block else min(block_c, triton.next_power_of_2(k))
 
 
 def new_flags(num_m_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +63,9 @@ def pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, num
                ALIGNED: tl.constexpr, PROXY_FENCE: tl.constexpr, QUANT_BLOCK: tl.constexpr, KEEP_RAW: tl.constexpr):
     """A communication program: M-tiles p, p + PULL_PROGRAMS, ... of A pulled from the owners' token buffers
     (zeros on padding rows), each published with flag = epoch once all its rows are stored. QUANT_BLOCK > 0
-    (mxfp8, `fused_pass`): A gets the rows quantized in (1, QUANT_BLOCK) E8M0 blocks and dequantized
-    (`quantize.e8m0_round_trip`; BLOCK_C a multiple of the block), and with KEEP_RAW raw_ptr (A's layout) the rows
-    as pulled."""
+    (mxfp8: `fused_pass`, and the staged GEMMs' pulls): A gets the rows quantized in (1, QUANT_BLOCK) E8M0 blocks
+    and dequantized (`quantize.e8m0_round_trip`; BLOCK_C a multiple of the block), and with KEEP_RAW raw_ptr (A's
+    layout) the rows as pulled."""
     for m_tile in range(tl.program_id(0), num_m_tiles, PULL_PROGRAMS):
         rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         source = tl.load(row_source_ptr + rows).to(tl.int64)

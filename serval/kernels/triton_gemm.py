@@ -353,7 +353,8 @@ def _grouped_gemm_kernel(
     # PUSH: the peers' slot buffers [slots_per_rank, N_OUT], one int64 address per rank
     push_table_ptr, slots_per_rank,
     # PULL_PROGRAMS: the owners' token buffers [N, K] (one int64 address per rank), a flag per M-tile, the epoch
-    pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr,
+    # and (PULL_KEEP_RAW) the [R, K] buffer of the rows as pulled, where A gets them round-tripped (PULL_QUANT_BLOCK)
+    pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr, pull_raw_ptr,
     # schedule
     tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
     # weights: w0 (and w1 for swiglu_fwd / K_SPLIT), [E, N_OUT, K] if W_NK else [E, K, N_OUT]
@@ -371,7 +372,7 @@ def _grouped_gemm_kernel(
     HAS_LIMIT: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
     EPI_SPLIT: tl.constexpr, EPI_TMA_STORES_CFG: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
     PULL_PROGRAMS: tl.constexpr, PULL_ALIGNED: tl.constexpr, PULL_BLOCK_C: tl.constexpr, PROXY_FENCE: tl.constexpr,
-    PRINT_TIMEOUTS: tl.constexpr,
+    PRINT_TIMEOUTS: tl.constexpr, PULL_QUANT_BLOCK: tl.constexpr, PULL_KEEP_RAW: tl.constexpr,
 ):
     EPI_N: tl.constexpr = BLOCK_N // EPI_SPLIT  # width of the epilogue's column chunks
     EPI_TMA_STORES: tl.constexpr = USE_TMA and EPI_TMA_STORES_CFG
@@ -389,8 +390,8 @@ def _grouped_gemm_kernel(
         epoch = tl.load(pull_epoch_ptr)
         if tl.program_id(0) < PULL_PROGRAMS:
             in_gemm_pull.pull_tiles(pull_table_ptr, row_source_ptr, a_ptr, stride_a, pull_flags_ptr, epoch, num_m_tiles,
-                                    pull_slots_per_rank, top_k, K, a_ptr, BLOCK_M, PULL_BLOCK_C, PULL_PROGRAMS,
-                                    PULL_ALIGNED, PROXY_FENCE, 0, False)
+                                    pull_slots_per_rank, top_k, K, pull_raw_ptr, BLOCK_M, PULL_BLOCK_C, PULL_PROGRAMS,
+                                    PULL_ALIGNED, PROXY_FENCE, PULL_QUANT_BLOCK, PULL_KEEP_RAW)
         first_tile = tl.where(tl.program_id(0) < PULL_PROGRAMS, num_tiles, tl.program_id(0) - PULL_PROGRAMS)
     for tile_id in tl.range(first_tile, num_tiles, NUM_PROGRAMS - PULL_PROGRAMS, flatten=FLATTEN):
         m_tile, n_tile = common.tile_coords(tile_id, num_m_tiles, num_n_tiles, GROUP_M)
@@ -465,15 +466,19 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, w_nk:
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(a.device.index), max_tiles))
     dummy = out  # stands in for pointers a variant does not use
-    pull_args, pull_programs, pull_block_c, pull_aligned = (dummy, 0, dummy, dummy), 0, 16, False
+    pull_args, pull_programs, pull_block_c, pull_aligned = (dummy, 0, dummy, dummy, dummy), 0, 16, False
+    quant_block, keep_raw = 0, False
     if pull is not None:
         pull_programs = max(1, min(pull.programs, common.num_sms(a.device.index) - 1))
         num_programs = common.num_sms(a.device.index)  # every program resident at once, pull programs first
         if pull.flags.numel() < schedule.capacity // block_m:
             raise ValueError(f"pull flags: {pull.flags.numel()} flags for {schedule.capacity // block_m} M-tiles")
         pull.epoch.add_(1)
-        pull_args = (pull.source.table, pull.source.num_tokens * pull.source.top_k, pull.flags, pull.epoch)
-        pull_block_c, pull_aligned = min(pull.block_c, triton.next_power_of_2(k)), pull.source.aligned
+        quant_block, keep_raw = pull.quant_block, pull.raw_rows is not None
+        pull_args = (pull.source.table, pull.source.num_tokens * pull.source.top_k, pull.flags, pull.epoch,
+                     pull.raw_rows if keep_raw else dummy)
+        pull_block_c = in_gemm_pull.step_columns(pull.block_c, quant_block, k)
+        pull_aligned = pull.source.aligned
     _grouped_gemm_kernel[(num_programs,)](
         a, a.stride(0), schedule.row_source, schedule.top_k, schedule.capacity,
         push_to.table if push_to is not None else dummy, push_to.num_slots if push_to is not None else 0,
@@ -493,7 +498,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, w_nk:
         PUSH_ALIGNED=push_to is not None and push_to.aligned,
         PULL_PROGRAMS=pull_programs, PULL_ALIGNED=pull_aligned, PULL_BLOCK_C=pull_block_c,
         PROXY_FENCE=use_tma and not common.INTERPRET, PRINT_TIMEOUTS=common.INTERPRET,
-        num_warps=tiles.num_warps,
+        PULL_QUANT_BLOCK=quant_block, PULL_KEEP_RAW=keep_raw, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
 
