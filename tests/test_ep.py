@@ -464,7 +464,7 @@ def test_ep_one_gpu_per_rank(world_size, tmp_path, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("world_size,variant,precision", [(2, "staged", "bf16"), (4, "staged", "bf16"),
                                                          (2, "in-gemm-pull", "bf16"), (2, "fused", "bf16"),
-                                                         (2, "staged", "mxfp8"), (2, "fused", "mxfp8"),
+                                                         (2, "staged", "mxfp8"), (2, "in-gemm-pull", "mxfp8"), (2, "fused", "mxfp8"),
                                                          (2, "staged", "fp8_blockwise")])
 def test_ep_macrobatch_ring_on_one_gpu(world_size, variant, precision, tmp_path, monkeypatch):
     """A skewed routing through a ring of 256 tokens (512 rows) on the CUDA path: 512 tokens a rank, rank 0
