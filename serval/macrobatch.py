@@ -81,9 +81,11 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
     pushed, their slot schedule, the shared expert's outputs from the first launch or None)."""
     transport = workspace.transport
     parts = windows(schedule, workspace.ring_rows)
-    x_ring = _ring(parts[0].schedule.capacity, x.shape[1], x)
     first, shared_out = [], [None]
     fused = _fuses(ops, recipe, w_gate.shape[1], backward=False)
+    # the launch or the gate/up GEMM pulls x's rows itself, else they are pulled into a ring buffer first
+    gemm_pulls = fused or (ops.pulls_in_gemm if recipe is None else precision.pulls_in_gemm(ops, recipe, False))
+    x_ring = None if gemm_pulls else _ring(parts[0].schedule.capacity, x.shape[1], x)
     quant_block = 0 if recipe is None else recipe.block
     if fused and recipe is not None:  # mxfp8: the launch reads the dequantized weights
         (w_gate, w_up), w_down = made.gate_up, made.down
@@ -100,22 +102,17 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
                     if not first:
                         shared_out[0] = made_shared
                         first.append(gate_up if recipe is None else precision.keep(recipe, gate_up, h))
-                elif recipe is None:
-                    if ops.pulls_in_gemm:
-                        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, pull_from=source,
-                                                        pull_flags=workspace.pull_flags)
-                    else:
-                        x_rows = _pull(source, s.row_source, x_ring[: s.capacity])
-                        gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, a_rows=x_rows)
+                    continue
+                x_rows, pull = None, dict(pull_from=source, pull_flags=workspace.pull_flags)
+                if not gemm_pulls:
+                    x_rows, pull = _pull(source, s.row_source, x_ring[: s.capacity]), None
+                if recipe is None:
+                    gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit,
+                                                    **(pull or dict(a_rows=x_rows)))
                     ops.down(h, w_down, s, push_to=target)
                     if not first:
                         first.append(gate_up)
                 else:  # the recipe's staged experts on the pulled rows (quantized after the pull, or by the pull)
-                    x_rows, pull = None, None
-                    if precision.pulls_in_gemm(ops, recipe, backward=False):
-                        pull = dict(pull_from=source, pull_flags=workspace.pull_flags)
-                    else:
-                        x_rows = _pull(source, s.row_source, x_ring[: s.capacity])
                     o_rows, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, s, swiglu_limit,
                                                      made, push_to=target, keeps=not first, pull=pull)
                     _push(o_rows, s.row_source, target)

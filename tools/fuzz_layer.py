@@ -2,6 +2,7 @@
 
     python tools/fuzz_layer.py --seconds 240 --seed 7          # the default device (the H200: the kernels)
     python tools/fuzz_layer.py --ep --seconds 300 --seed 1     # expert parallelism: gloo processes on the CPU
+    python tools/fuzz_layer.py --ep --device cuda --seconds 300   # P processes on one GPU (symmetric memory)
     TRITON_INTERPRET=1 python tools/fuzz_layer.py --backend triton --seconds 600   # the kernels, interpreted
 
 Each case draws N, H, I, E, k, a routing (random, every token's first slot on one expert, empty experts, all
@@ -15,7 +16,9 @@ fp32 inputs, FP8 weights quantized once), then checks what every serval path pro
   recipe emulated in float64 (relative error);
 - with --ep: P in {2, 3, 4} ranks on the CPU (gloo, the torch stages) bitwise equal to EP=1 on the whole batch,
   also with a macrobatch ring of a few tokens (streamed in windows on the kernels: --backend triton) and with both
-  passes fused (`KernelPlan.fused_forward` / `fused_backward`, the kernels: --backend triton).
+  passes fused (`KernelPlan.fused_forward` / `fused_backward`, the kernels: --backend triton); with --device cuda
+  the ranks share one GPU (symmetric memory over overlapping devices, the CUDA kernels, bf16), and draw
+  Config.comm_sms_* too (the GEMMs pulling their own rows).
 An exception is a failure too (a kernel that does not compile, an input check that refuses a valid problem). The
 cases and failures are printed; the exit status is 1 if any case failed. A case is reproduced by its seed.
 """
@@ -155,23 +158,28 @@ def fp8_emulation(case: dict, device: str, block_m: int) -> list[torch.Tensor]:
                                          swiglu_limit=case["swiglu_limit"]))
 
 
-def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str, backend: str) -> None:
+def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str, backend: str, device: str) -> None:
     import torch.distributed as dist
 
+    if device == "cuda":  # every rank on GPU 0: symmetric memory over overlapping devices, never multicast
+        os.environ.update(TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=3))
     outcome = "ok"
     try:
-        dtype = torch.float32 if case["precision"] == "bf16" else torch.bfloat16
-        config = serval.Config(precision=case["precision"], block_m=16 if case["precision"] == "bf16" else 128,
+        dtype = torch.bfloat16 if device == "cuda" or case["precision"] != "bf16" else torch.float32
+        block_m = 16 if case["precision"] == "bf16" and device == "cpu" else 128
+        config = serval.Config(precision=case["precision"], block_m=block_m,
                                recompute=case["variant"] == "recompute", macrobatch_size=case.get("macrobatch_size"),
+                               comm_sms_forward=case.get("comm_sms"), comm_sms_backward=case.get("comm_sms"),
                                backend=backend, kernel_plan=KernelPlan(fused_forward=True, fused_backward=True)
                                if case["variant"] == "fused" else None)
         per_rank, experts_per_rank = case["num_tokens"] // world_size, case["num_experts"] // world_size
         tokens = slice(rank * per_rank, (rank + 1) * per_rank)
         experts = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
-        ep = layer(case, "cpu", dtype, config=config, tokens=tokens, experts=experts, group=dist.group.WORLD)
-        whole = layer(case, "cpu", dtype, config=config)
+        ep = layer(case, device, dtype, config=config, tokens=tokens, experts=experts, group=dist.group.WORLD)
+        whole = layer(case, device, dtype, config=config)
         want = [t[tokens] for t in whole[:3]] + [t[experts] for t in whole[3:6]]
         differ = [name for name, a, b in zip(OUTPUTS, ep, want) if not torch.equal(a, b)]
         if differ:
@@ -185,12 +193,12 @@ def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str, b
         f.write(outcome)
 
 
-def check_ep_case(case: dict, world_size: int, backend: str) -> str | None:
+def check_ep_case(case: dict, world_size: int, backend: str, device: str) -> str | None:
     import torch.multiprocessing as mp
 
     folder = tempfile.mkdtemp()
-    mp.spawn(_ep_rank, args=(world_size, f"{folder}/init", case, f"{folder}/out", backend), nprocs=world_size,
-             join=True)
+    mp.spawn(_ep_rank, args=(world_size, f"{folder}/init", case, f"{folder}/out", backend, device),
+             nprocs=world_size, join=True)
     outcomes = {open(f"{folder}/out.{rank}").read() for rank in range(world_size)}
     return None if outcomes == {"ok"} else "; ".join(sorted(outcomes - {"ok"}))
 
@@ -199,13 +207,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=240.0, help="draw cases until this much time has passed")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ep", action="store_true", help="expert parallelism on the CPU (gloo processes)")
+    parser.add_argument("--ep", action="store_true",
+                        help="expert parallelism: P processes, on the CPU (gloo) or all on one GPU (--device cuda)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: the GPU where there is one, except with --ep (the CPU)")
     parser.add_argument("--tiny", action="store_true", help="small shapes only (the CPU without --ep)")
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
                         help="Config.backend ('triton' on the CPU: the kernels in the interpreter, TRITON_INTERPRET=1)")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.ep else "cpu"
-    tiny = args.tiny or args.ep or device == "cpu"
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and not args.ep else "cpu"
+    tiny = args.tiny or device == "cpu"
     rng = random.Random(args.seed)
     start, failures, count = time.time(), [], 0
     while time.time() - start < args.seconds:
@@ -219,12 +232,14 @@ def main() -> int:
             # shared expert's tiles in their launches), with such a ring or the default one
             if case["variant"] == "macrobatch" or (case["variant"] == "fused" and rng.random() < 0.5):
                 case["macrobatch_size"] = rng.randint(1, case["num_tokens"] // world_size)
+            if device == "cuda":  # the GEMMs' pull programs (comm SMs), or the staged pull
+                case["comm_sms"] = rng.choice([0, 0, 4, 16])
             case["top_k"] = min(case["top_k"], case["num_experts"])
             if case["routing"] == "empty" and case["num_experts"] <= case["top_k"] + 1:
                 case["routing"] = "random"
         count += 1
         try:
-            failure = (check_ep_case(case, world_size, args.backend) if args.ep
+            failure = (check_ep_case(case, world_size, args.backend, device) if args.ep
                        else check_case(case, device, args.backend))
         except Exception as error:  # noqa: BLE001  (a failure to report, with the case)
             traceback.print_exc()
