@@ -169,7 +169,7 @@ def _ep_rank(rank: int, world_size: int, init_file: str, case: dict, out: str, b
     outcome = "ok"
     try:
         dtype = torch.bfloat16 if device == "cuda" or case["precision"] != "bf16" else torch.float32
-        block_m = 16 if case["precision"] == "bf16" and device == "cpu" else 128
+        block_m = case["block_m"]
         config = serval.Config(precision=case["precision"], block_m=block_m,
                                recompute=case["variant"] == "recompute", macrobatch_size=case.get("macrobatch_size"),
                                comm_sms_forward=case.get("comm_sms"), comm_sms_backward=case.get("comm_sms"),
@@ -234,6 +234,8 @@ def main() -> int:
                 case["macrobatch_size"] = rng.randint(1, case["num_tokens"] // world_size)
             if device == "cuda":  # the GEMMs' pull programs (comm SMs), or the staged pull
                 case["comm_sms"] = rng.choice([0, 0, 4, 16])
+            # bf16 on the CPU: the interpreter's small tiles; FP8 and CUDA: 128 (the FP8 blocks along tokens)
+            case["block_m"] = 16 if case["precision"] == "bf16" and device == "cpu" else 128
             case["top_k"] = min(case["top_k"], case["num_experts"])
             if case["routing"] == "empty" and case["num_experts"] <= case["top_k"] + 1:
                 case["routing"] = "random"
