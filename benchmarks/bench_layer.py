@@ -818,7 +818,8 @@ def bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, s
     label = name.replace(f" {precision}", "") if precision != "bf16" else name
     tol = max(args.tol, FP8_TOL) if precision != "bf16" else args.tol
     settings = [f"{path}={value!r}" for path, value in settings] if settings is not None else None
-    records = [dict(shape=shape_name, impl=label, precision=precision, settings=settings, scope=scope, **{"pass": ps}, ms=None, tflops=None,
+    records = [dict(shape=shape_name, impl=label, precision=precision, settings=settings, scope=scope, **{"pass": ps},
+                    ms=None, tflops=None,
                     saved_mem_gib=None, peak_mem_gib=None, rel_err=None, rel_errs=None, error=None, soak_s=args.soak,
                     sm_clock_mhz=None, power_w=None, **info)
                for ps in passes]
@@ -898,7 +899,8 @@ def main():
             parser.error(f"unknown {sorted(set(given) - set(known))}; known: {', '.join(known)}")
     precisions = args.precisions.split(",")
     if set(precisions) - set(PRECISIONS):
-        parser.error(f"--precisions: unknown {sorted(set(precisions) - set(PRECISIONS))}; known: {', '.join(PRECISIONS)}")
+        unknown = sorted(set(precisions) - set(PRECISIONS))
+        parser.error(f"--precisions: unknown {unknown}; known: {', '.join(PRECISIONS)}")
     impls = {} if args.report_only else {n: (*impl, None, FP8_BASELINES.get(n, "bf16"))  # precision: bf16, or FP8
                                          for n in args.impls.split(",") if (impl := load_impl(n, device, args))}
     if not args.report_only:  # serval's other precisions, then the variants, right after serval's default

@@ -109,8 +109,8 @@ class KernelPlan:
     launch on the Triton tiles above (mxfp8 where I % 32 == 0: d_gate_up round-tripped for the gate/up dgrad); at
     EP its first `dgrad_pull_programs` programs (0: FUSED_COMM_SMS) pull d_y's
     rows and its gate/up dgrad tiles push d_x's rows into the owners' slots; the shared expert's two dgrads join it,
-    their tiles first. Off: measured slower than the staged launches at EP=1 (docs/reports/2026-12-02-fused-backward.md);
-    not measured at EP.
+    their tiles first. Off: measured slower than the staged launches at EP=1
+    (docs/reports/2026-12-02-fused-backward.md); not measured at EP.
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"

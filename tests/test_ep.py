@@ -26,6 +26,8 @@ from conftest import CUDA, check_sync_free_and_graph_replay, make_layer, make_ro
 
 N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
 SWIGLU_LIMIT = 0.9
+requires_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                          reason="Triton kernels on CPU tensors need the interpreter")
 
 
 def problem(world_size, kind, num_tokens, seed=0, inter=I):
@@ -341,7 +343,7 @@ def test_ep_skewed_routing_drops_nothing(world_size, tmp_path):
     run(world_size, tmp_path, kind="skewed", macrobatch_size=N // 2)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
+@requires_interpreter
 @pytest.mark.parametrize("variant,precision", [("staged", "bf16"), ("in-gemm-pull", "bf16"), ("fused", "bf16"),
                                                ("staged", "mxfp8"), ("in-gemm-pull", "mxfp8"), ("fused", "mxfp8"),
                                                ("staged", "fp8_blockwise")])
@@ -357,7 +359,7 @@ def test_ep_macrobatch_ring_in_interpreter(variant, precision, tmp_path):
         inter={"mxfp8": 32, "fp8_blockwise": 128}.get(precision, I), num_tokens=80 if fp8_blockwise else N)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
+@requires_interpreter
 @pytest.mark.parametrize("pull_programs,precision", [(0, "bf16"), (2, "bf16"), (2, "mxfp8")])
 def test_ep_triton_kernels_in_interpreter(pull_programs, precision, tmp_path):
     """The staged kernels at EP (the default ring holds every row: one pass), with and without pull programs; mxfp8's
@@ -366,7 +368,7 @@ def test_ep_triton_kernels_in_interpreter(pull_programs, precision, tmp_path):
         inter=32 if precision == "mxfp8" else I)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU tensors need the interpreter")
+@requires_interpreter
 @pytest.mark.parametrize("precision,inter", [("bf16", I), ("mxfp8", 32)])
 def test_ep_fused_passes_in_interpreter(precision, inter, tmp_path):
     """Each pass in one launch: the forward's pull, routed GEMMs and combine push (KernelPlan.fused_forward) and the
@@ -464,7 +466,8 @@ def test_ep_one_gpu_per_rank(world_size, tmp_path, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("world_size,variant,precision", [(2, "staged", "bf16"), (4, "staged", "bf16"),
                                                          (2, "in-gemm-pull", "bf16"), (2, "fused", "bf16"),
-                                                         (2, "staged", "mxfp8"), (2, "in-gemm-pull", "mxfp8"), (2, "fused", "mxfp8"),
+                                                         (2, "staged", "mxfp8"), (2, "in-gemm-pull", "mxfp8"),
+                                                         (2, "fused", "mxfp8"),
                                                          (2, "staged", "fp8_blockwise")])
 def test_ep_macrobatch_ring_on_one_gpu(world_size, variant, precision, tmp_path, monkeypatch):
     """A skewed routing through a ring of 256 tokens (512 rows) on the CUDA path: 512 tokens a rank, rank 0

@@ -171,7 +171,8 @@ def test_task_order_is_each_gemms_staged_order(group_m):
 @pytest.mark.parametrize("num_m, n_first, n_second, mb", [s for s in ORDER_SIZES if s[0] * (s[1] + s[2]) <= 120])
 def test_device_decode_matches_task_order(num_m, n_first, n_second, mb):
     """The kernel's decode of a task id (`_task_coords`, run in a kernel) gives `task_order`'s entry."""
-    assert ff.device_task_order(num_m, n_first, n_second, mb, device=DEVICE) == ff.task_order(num_m, n_first, n_second, mb)
+    want = ff.task_order(num_m, n_first, n_second, mb)
+    assert ff.device_task_order(num_m, n_first, n_second, mb, device=DEVICE) == want
     group = 2 if mb % 2 == 0 else 1
     assert (ff.device_task_order(num_m, n_first, n_second, mb, group, device=DEVICE)
             == ff.task_order(num_m, n_first, n_second, mb, group))

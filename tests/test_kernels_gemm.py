@@ -133,7 +133,8 @@ def rel_err(actual, expected):
 
 def assert_bitwise_equal(first, second, name=""):
     """Bitwise, NaN fill included (torch.equal would call two NaNs different)."""
-    for a, b in zip(first if isinstance(first, tuple) else (first,), second if isinstance(second, tuple) else (second,)):
+    as_tuple = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
+    for a, b in zip(as_tuple(first), as_tuple(second)):
         view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         assert torch.equal(a.view(view), b.view(view)), f"{name}: two runs differ"
 

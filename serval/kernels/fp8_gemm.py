@@ -26,10 +26,10 @@ Engines:
   M-tiles: grouped_gemm) or "k" (the tile list is E x M-tiles x N-tiles, each tile looping over its expert's
   row segment read from `expert_offsets` on the device, whole 128-row blocks, no K mask: weight_grad; in a window
   only the window's experts' tiles);
-  B_SCALE_GROUP 128 (weight blocks) or 1 (per-row scales of an along-tokens b). Pointer loads (no TMA), `tl.dot` on fp8 operands (sm_89+); below sm_89 the
-  operands are widened to bf16 (exact) first; under the CPU interpreter to fp32 (fp8 loads work there: they are
-  read as float8 directly, only the NaN encoding 0x7f reads as 480, which quantized data never holds). It is the
-  correctness oracle of the Gluon engine and the path off Hopper.
+  B_SCALE_GROUP 128 (weight blocks) or 1 (per-row scales of an along-tokens b). Pointer loads (no TMA), `tl.dot`
+  on fp8 operands (sm_89+); below sm_89 the operands are widened to bf16 (exact) first; under the CPU interpreter
+  to fp32 (fp8 loads work there: they are read as float8 directly, only the NaN encoding 0x7f reads as 480, which
+  quantized data never holds). It is the correctness oracle of the Gluon engine and the path off Hopper.
 * `gluon_fp8` (sm_90, Triton 3.6): warp-specialised TMA + wgmma, the promotion of one consumer warp group
   overlapping the other's wgmma (DeepGEMM's scheme). Chosen by `engine="auto"` where it runs and takes the
   operands (see `_gluon_takes`).

@@ -121,7 +121,8 @@ def pick_config(p_out: int, q: int, block_m: int) -> WgradConfig:
 def _resolve_block_k(config: WgradConfig, block_m: int) -> WgradConfig:
     block_k = min(config.block_k, block_m)
     if block_m % block_k or block_k < 16:
-        raise ValueError(f"block_k={config.block_k} does not fit block_m={block_m} (needs block_m % block_k == 0, >= 16)")
+        raise ValueError(f"block_k={config.block_k} does not fit block_m={block_m} "
+                         "(needs block_m % block_k == 0, >= 16)")
     return dataclasses.replace(config, block_k=block_k)
 
 
@@ -523,8 +524,8 @@ def grouped_wgrad(
 ) -> tuple[torch.Tensor, ...]:
     """The kernel's entry point: `num_outputs` tensors [E, P / num_outputs, Q] in a's dtype.
 
-    a [R, P], b [R, Q]: routed rows (R = schedule.capacity), one dtype (bf16, fp16 or fp32). `config` (a WgradConfig or a CONFIGS
-    name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
+    a [R, P], b [R, Q]: routed rows (R = schedule.capacity), one dtype (bf16, fp16 or fp32). `config` (a WgradConfig
+    or a CONFIGS name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
     plain expert order. None of these change the result.
     `window`: one window of the rows (schedule and a, b are the window's); returns `window.outs`, where only
     the window's FINISH experts are written.

@@ -73,7 +73,8 @@ class SharedMemoryTransport:
         key = (role, rows, width, dtype)
         if key not in self.buffers:
             def path(rank):
-                return os.path.join(SHM_DIR, f"serval-{self.job}-{role}-{rows}x{width}-{dtype}-{rank}".replace("torch.", ""))
+                name = f"serval-{self.job}-{role}-{rows}x{width}-{dtype}-{rank}".replace("torch.", "")
+                return os.path.join(SHM_DIR, name)
 
             nbytes = rows * width * torch.empty((), dtype=dtype).element_size()
             with open(path(self.rank), "wb") as f:
