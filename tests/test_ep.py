@@ -466,6 +466,7 @@ def test_ep_one_gpu_per_rank(world_size, tmp_path, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("world_size,variant,precision", [(2, "staged", "bf16"), (4, "staged", "bf16"),
                                                          (2, "in-gemm-pull", "bf16"), (2, "fused", "bf16"),
+                                                         (4, "fused", "bf16"), (8, "fused", "bf16"),
                                                          (2, "staged", "mxfp8"), (2, "in-gemm-pull", "mxfp8"),
                                                          (2, "fused", "mxfp8"),
                                                          (2, "staged", "fp8_blockwise")])
