@@ -122,6 +122,7 @@ class Workspace:
     pull_flags: at EP, the per-M-tile flags (int32, one per 16 rows of the ring: enough for any tile height)
     and the epoch counter (int32 [1]) of a gate/up GEMM that pulls its own rows (`KernelPlan.pull_programs`,
     `serval.kernels.in_gemm_pull`); allocated here, before any CUDA graph capture, and never reset.
+    ring_buffers: the macrobatch ring's row buffers (`ring`), made on first use and kept.
     """
 
     num_tokens: int
@@ -139,10 +140,21 @@ class Workspace:
     errors: ErrorFlags | None = None
     pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None
     ring_rows: int = 0
+    ring_buffers: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if not self.ring_rows:
             object.__setattr__(self, "ring_rows", self.capacity_rows)
+
+    def ring(self, role: str, like: torch.Tensor) -> torch.Tensor:
+        """The macrobatch ring's buffer for `role` ("x", "d_y": the rows a streamed pass pulls before its GEMM),
+        [ring_rows, like.shape[1]] in like's dtype and device: made on its first use and kept, so every call and
+        every window reuses the same memory (its contents never outlive a call: the backward pulls its rows
+        again). Calls that share a workspace run one after another on one stream, as its transport's do."""
+        key = (role, like.shape[1], like.dtype, like.device)
+        if key not in self.ring_buffers:
+            self.ring_buffers[key] = torch.empty(self.ring_rows, like.shape[1], dtype=like.dtype, device=like.device)
+        return self.ring_buffers[key]
 
 
 _PROBLEM_FIELDS = ("num_tokens (x.shape[0])", "top_k (topk_ids.shape[1])", "hidden (x.shape[1])",

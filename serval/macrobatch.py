@@ -12,7 +12,8 @@ Results are those of one pass over all the rows, bit for bit: each window's tile
 the weight gradients carry each expert's fp32 K sums from one window to the next, in ascending row order
 (`serval.kernels.weight_grad.WgradWindow`; two carry buffers, used in turn).
 
-Memory: the [ring_rows, *] buffers of one window, the weight gradients' carries (fp32, two [2I, H] and two
+Memory: the ring itself, [ring_rows, H] buffers of pulled x and d_y rows that the workspace makes once and keeps
+(`Workspace.ring`), the [ring_rows, *] intermediates of one window, the weight gradients' carries (fp32, two [2I, H] and two
 [H, I]) and, kept from the forward for the backward, the first window's gate/up pre-activations (every row
 under a routing that fits the ring); the backward recomputes the other windows' from re-pulled x rows.
 
@@ -65,10 +66,6 @@ def _push(rows: torch.Tensor | None, row_source: torch.Tensor, target: PeerSlots
         push_rows(target.table, rows, row_source, target.num_slots, aligned=target.aligned)
 
 
-def _ring(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
-
-
 def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None, recipe=None,
             made=None):
     """The routed experts of a forward at EP, streamed.
@@ -85,7 +82,7 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
     fused = _fuses(ops, recipe, w_gate.shape[1], backward=False)
     # the launch or the gate/up GEMM pulls x's rows itself, else they are pulled into a ring buffer first
     gemm_pulls = fused or (ops.pulls_in_gemm if recipe is None else precision.pulls_in_gemm(ops, recipe, False))
-    x_ring = None if gemm_pulls else _ring(parts[0].schedule.capacity, x.shape[1], x)
+    x_ring = None if gemm_pulls else workspace.ring("x", x)
     quant_block = 0 if recipe is None else recipe.block
     if fused and recipe is not None:  # mxfp8: the launch reads the dequantized weights
         (w_gate, w_up), w_down = made.gate_up, made.down
@@ -147,8 +144,7 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
     parts = windows(schedule, workspace.ring_rows)
     num_experts, inter, hidden = w_gate.shape
     fused = _fuses(ops, recipe, inter, backward=True)
-    ring_rows = parts[0].schedule.capacity
-    x_ring, d_y_ring = _ring(ring_rows, hidden, x), _ring(ring_rows, hidden, d_y)
+    x_ring, d_y_ring = workspace.ring("x", x), workspace.ring("d_y", d_y)
     d_rw_rows = torch.empty(schedule.capacity, dtype=torch.float32, device=x.device)
     d_w_gate = d_w_up = d_w_down = None
     shared_out = [None]

@@ -161,6 +161,9 @@ def test_functional_api():
     rw, ids = make_routing(19, 4, 2)
     ws = functional.get_workspace(19, 2, 16, 4, config=serval.Config(block_m=16))
     assert ws is functional.get_workspace(19, 2, 16, 4, config=serval.Config(block_m=16))
+    ring = ws.ring("x", x)  # the macrobatch ring's buffer: made once, the same memory on every later call
+    assert ring.shape == (ws.ring_rows, 16) and ring.dtype == x.dtype and ws.ring("x", x) is ring
+    assert ws.ring("d_y", x) is not ring
     schedule = functional.build_schedule(ids, 4, block_m=16)
     assert schedule.capacity == ws.capacity_rows
     config = serval.Config(block_m=16, recompute=True)
