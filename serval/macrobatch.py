@@ -13,9 +13,9 @@ the weight gradients carry each expert's fp32 K sums from one window to the next
 (`serval.kernels.weight_grad.WgradWindow`; two carry buffers, used in turn).
 
 Memory: the ring itself, [ring_rows, H] buffers of pulled x and d_y rows that the workspace makes once and keeps
-(`Workspace.ring`), the [ring_rows, *] intermediates of one window, the weight gradients' carries (fp32, two [2I, H] and two
-[H, I]) and, kept from the forward for the backward, the first window's gate/up pre-activations (every row
-under a routing that fits the ring); the backward recomputes the other windows' from re-pulled x rows.
+(`Workspace.ring`); the [ring_rows, *] intermediates of one window; the weight gradients' carries (fp32, two
+[2I, H] and two [H, I]); and, kept from the forward for the backward, the first window's gate/up pre-activations
+(every row under a routing that fits the ring); the backward recomputes the other windows' from re-pulled x rows.
 
 The FP8 precisions (`recipe`) stream the same way: their blocks along a GEMM's K lie within a row, and their
 weight gradients' along-tokens blocks lie whole in a window (windows start on block_m boundaries, a multiple of

@@ -5,8 +5,8 @@ At expert parallelism the gate/up GEMM (x's rows) and the down dgrad (d_y's rows
 PULL_PROGRAMS > 0) give their first `KernelPlan.pull_programs` / `dgrad_pull_programs` programs to the pull.
 Each pulls M-tile after M-tile (in the order the compute programs take them) into the [R, K] A buffer and
 publishes it with a flag (a proxy fence first, since the compute programs read the rows with TMA, the async
-proxy; then a release store). A compute program waits
-for its tile's flag (acquire) before its K loop, so the pull runs under the GEMM instead of before it.
+proxy; then a release store). A compute program waits for its tile's flag (acquire) before its K loop, so the
+pull runs under the GEMM instead of before it.
 
 Flags hold the call's epoch (a device counter bumped before each launch), so they are never reset and a
 CUDA graph can replay the launch. Every wait is bounded: past about 10 s the program traps (the CUDA context
