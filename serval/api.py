@@ -34,15 +34,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from . import functional, precision
+from . import functional, precision, weight_cache, weight_layout
 from . import precision as _precision  # for `quantize_expert_weights`, whose argument is named precision
 from .config import DEFAULT_CONFIG, Config, config_by_id, config_id
 from .functional import ErrorFlags
 from .schedule import Schedule, build_schedule, capacity_rows, dense_schedule
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+ROUTER_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # taken as float32
 INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)  # topk_ids (others: as int64)
 
 
@@ -80,9 +82,10 @@ def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, s
     if hidden == 0:
         raise ValueError(f"x must have a hidden size H >= 1 (x.shape[1]), got shape {tuple(x.shape)}")
     dtype_of_x = " (the dtype of x)"
-    rw_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    _check_tensor("router_weights", router_weights, "[N, k]", (rw_dtype,), x.device,
-                  " (router weights are float32, float64 when x is float64)")
+    rw_dtypes = (torch.float64,) if x.dtype == torch.float64 else ROUTER_WEIGHT_DTYPES
+    _check_tensor("router_weights", router_weights, "[N, k]", rw_dtypes, x.device,
+                  " (router weights are float32, bfloat16 or float16, computed in float32; float64 when x is "
+                  "float64)")
     _check_tensor("topk_ids", topk_ids, "[N, k]", INDEX_DTYPES, x.device)
     for name, t in (("router_weights", router_weights), ("topk_ids", topk_ids)):
         if t.shape[0] != num_tokens:
@@ -92,19 +95,27 @@ def validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, s
         raise ValueError(f"router_weights and topk_ids must have the same shape [N, k], got router_weights "
                          f"{tuple(router_weights.shape)} and topk_ids {tuple(topk_ids.shape)}")
     top_k = topk_ids.shape[1]
-    _check_tensor("w_gate", w_gate, "[E_local, I, H]", (x.dtype,), x.device, dtype_of_x)
+    joined = w_up is None  # w_gate holds both projections, [E_local, 2I, H]
+    layout = "[E_local, 2I, H] (w_up=None: gate rows then up rows)" if joined else "[E_local, I, H]"
+    _check_tensor("w_gate", w_gate, layout, (x.dtype,), x.device, dtype_of_x)
     num_experts, inter, weight_hidden = w_gate.shape
     if num_experts == 0:
         raise ValueError(f"w_gate must hold at least one expert (w_gate.shape[0] >= 1), got shape "
                          f"{tuple(w_gate.shape)}")
+    if joined and (inter == 0 or inter % 2):
+        raise ValueError(f"w_gate with w_up=None must be the joined gate/up weight [E_local, 2I, H], 2I even and "
+                         f">= 2 (w_gate.shape[1]), got shape {tuple(w_gate.shape)}")
+    if joined:
+        inter //= 2
     if inter == 0:
         raise ValueError(f"w_gate must have an intermediate size I >= 1 (w_gate.shape[1]), got shape "
                          f"{tuple(w_gate.shape)}")
     if weight_hidden != hidden:
         raise ValueError(f"x must have the experts' hidden size H = {weight_hidden} (w_gate.shape[2]) as "
                          f"x.shape[1], got x of shape {tuple(x.shape)}")
-    _check_tensor("w_up", w_up, "[E_local, I, H]", (x.dtype,), x.device, dtype_of_x)
-    _check_shape("w_up", w_up, w_gate.shape, " (the shape of w_gate, [E_local, I, H])")
+    if not joined:
+        _check_tensor("w_up", w_up, "[E_local, I, H]", (x.dtype,), x.device, dtype_of_x)
+        _check_shape("w_up", w_up, w_gate.shape, " (the shape of w_gate, [E_local, I, H])")
     _check_tensor("w_down", w_down, "[E_local, H, I]", (x.dtype,), x.device, dtype_of_x)
     _check_shape("w_down", w_down, (num_experts, hidden, inter), " ([E_local, H, I], from w_gate)")
     total_experts = num_experts * ep_size
@@ -211,7 +222,7 @@ _FP8_KEPT = 4  # tensors of serval.precision.Kept
 
 
 @torch.library.custom_op("serval::moe_forward", mutates_args=())
-def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Tensor, w_up: Tensor,
+def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Tensor, w_up: Optional[Tensor],
                  w_down: Tensor, ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                  expert_weights: list[Tensor], swiglu_limit: Optional[float], config_id: int,
                  workspace_id: int,
@@ -219,10 +230,12 @@ def _moe_forward(x: Tensor, router_weights: Tensor, topk_ids: Tensor, w_gate: Te
                             Tensor, Tensor]:
     """Returns y, the five schedule tensors, the kept pre-activations (empty when recomputed or FP8),
     the router weights the rows use in backward (`_kept_router_weight_rows`; else empty) and what an FP8
-    precision keeps (`serval.precision.Kept.tensors()`; empty for bf16 or when recomputed)."""
+    precision keeps (`serval.precision.Kept.tensors()`; empty for bf16 or when recomputed). w_up None: w_gate is
+    the joined gate/up weight [E_local, 2I, H], read in place through its halves (`serval.weight_layout`)."""
     config = config_by_id(config_id)
     workspace = _workspace(workspace_id)
     shared = _shared(ws_gate, ws_up, ws_down)
+    w_gate, w_up = _gate_and_up(w_gate, w_up)
     on_host = _checks_on_host(x.device, config.debug)
     kept_router_weights = None
     if workspace is None:
@@ -264,6 +277,7 @@ def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
     config = config_by_id(config_id)
     block_m = config.block_m
     num_tokens, top_k = topk_ids.shape
+    w_gate, w_up = _gate_and_up(w_gate, w_up)
     num_experts, inter, _ = w_gate.shape
     workspace = _workspace(workspace_id)
     ep_size = 1 if workspace is None else workspace.ep_size
@@ -289,7 +303,8 @@ def _(x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
 
 
 @torch.library.custom_op("serval::moe_backward", mutates_args=())
-def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor, w_up: Optional[Tensor],
+                  w_down: Tensor,
                   ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
                   tokens_per_expert: Tensor, expert_offsets: Tensor, row_source: Tensor, source_row: Tensor,
                   tile_expert: Tensor, gate_up: Tensor, shared_gate_up: Tensor, kept_router_weights: Tensor,
@@ -299,8 +314,11 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, and the shared expert's (empty if none); a
     weight gradient not asked for (weight_grads / shared_weight_grads False: no input needs it) is empty and
-    its GEMMs do not run."""
+    its GEMMs do not run. w_up None (w_gate joined, as in the forward): d_w_gate is the joined [E_local, 2I, H]
+    gradient, written in place by the weight-gradient GEMMs, and d_w_up is empty."""
     config = config_by_id(config_id)
+    joined = w_up is None
+    w_gate, w_up = _gate_and_up(w_gate, w_up)
     recompute = config.recompute
     workspace = _workspace(workspace_id)
     schedule = Schedule(tokens_per_expert, expert_offsets, row_source, source_row, tile_expert,
@@ -319,20 +337,29 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
     grads = functional.backward(d_y, ctx, x, router_weights, w_gate, w_up, w_down, shared, config=config,
                                 workspace=workspace, expert_weights=_expert_weights(config, expert_weights),
                                 weight_grads=weight_grads, shared_weight_grads=shared_weight_grads)
-    weights = (grads.w_gate, grads.w_up, grads.w_down, *(grads.shared or (None,) * 3))
+    d_w_gate, d_w_up = grads.w_gate, grads.w_up
+    if joined and d_w_gate is not None:
+        d_w_gate, d_w_up = weight_layout.joined(d_w_gate, d_w_up), None
+    weights = (d_w_gate, d_w_up, grads.w_down, *(grads.shared or (None,) * 3))
     return (grads.x, grads.router_weights, *(x.new_empty(_EMPTY) if g is None else g for g in weights))
 
 
 @_moe_backward.register_fake
 def _(d_y, x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *rest):
     weight_grads, shared_weight_grads = rest[-2:]
-    routed = [torch.empty_like(w) if weight_grads else x.new_empty(_EMPTY) for w in (w_gate, w_up, w_down)]
+    routed = [torch.empty_like(w) if weight_grads and w is not None else x.new_empty(_EMPTY)
+              for w in (w_gate, w_up, w_down)]
     shared = [torch.empty_like(w) if w is not None and shared_weight_grads else x.new_empty(_EMPTY)
               for w in (ws_gate, ws_up, ws_down)]
     return (torch.empty_like(x), torch.empty_like(router_weights), *routed, *shared)
 
 
 _FORWARD_TENSOR_INPUTS = 9  # x, router_weights, topk_ids, w_gate, w_up, w_down, ws_gate, ws_up, ws_down
+
+
+def _gate_and_up(w_gate: Tensor, w_up: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The [E_local, I, H] gate and up weights the passes read: the halves of w_gate when w_up is None (joined)."""
+    return weight_layout.split(w_gate) if w_up is None else (w_gate, w_up)
 
 
 def _expert_weights(config: Config, tensors) -> precision.ExpertWeights | None:
@@ -347,6 +374,7 @@ def _setup_context(ctx, inputs, output):
     expert_weights = inputs[_FORWARD_TENSOR_INPUTS]
     ctx.options = inputs[_FORWARD_TENSOR_INPUTS + 1:]  # swiglu_limit, config_id, workspace_id
     ctx.has_shared = ws_gate is not None
+    ctx.joined = w_up is None
     ctx.num_kept = 8 + len(output) - 1  # the saved tensors before the expert weights
     ctx.num_expert_weights = len(expert_weights)
     ctx.save_for_backward(x, router_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *output[1:],
@@ -367,6 +395,8 @@ def _backward(ctx, d_y, *_unused_output_grads):  # the unused ones arrive as Non
     d_x, d_rw, d_w_gate, d_w_up, d_w_down, *shared_grads = grads
     if not weight_grads:
         d_w_gate = d_w_up = d_w_down = None
+    elif ctx.joined:
+        d_w_up = None
     if not (ctx.has_shared and shared_weight_grads):
         shared_grads = [None, None, None]
     # the expert weights in their GEMMs' form are a function of w_gate, w_up, w_down: no gradient of their own
@@ -392,19 +422,27 @@ _moe_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, i
 
 def quantize_expert_weights(w_gate, w_up, w_down, precision: str) -> _precision.ExpertWeights:
     """The routed experts' weights in the form the GEMMs of an FP8 precision read ("mxfp8" or "fp8_blockwise";
-    `serval.precision.ExpertWeights` says what each holds), for `moe(..., expert_weights=...)`: quantize once
-    after each optimizer step, and every micro-batch of the step reuses them (gradient accumulation then
-    quantizes the weights once, not twice per micro-batch). The values are the caller's to keep current: stale
-    ones give the results of the weights they were made from. w_gate, w_up [E_local, I, H] and w_down
-    [E_local, H, I] bf16, as passed to `moe`."""
+    `serval.precision.ExpertWeights` says what each holds), for `moe(..., expert_weights=...)`. `moe` keeps
+    them itself, once per version of the weights (`serval.weight_cache`), so a caller needs this only where the
+    weights change in ways their version counters do not see (writes through `.data`), or under torch.compile
+    and CUDA graph capture, where that cache is not used. The values are the caller's to keep current: stale
+    ones give the results of the weights they were made from. w_gate, w_up [E_local, I, H] (or w_gate the joined
+    [E_local, 2I, H] and w_up None) and w_down [E_local, H, I] bf16, as passed to `moe`."""
     recipe = _precision.recipe_of(precision)
     if recipe is None:
         raise ValueError(f"precision must be one of {tuple(_precision.RECIPES)} (bf16 weights need no quantizing), "
                          f"got {precision!r}")
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if name == "w_up" and w is None:
+            continue
         if not isinstance(w, Tensor) or w.dim() != 3 or w.dtype != torch.bfloat16:
             got = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, Tensor) else type(w).__name__
             raise ValueError(f"{name} must be a 3-D bfloat16 tensor, got {got}")
+    if w_up is None:
+        if w_gate.shape[1] % 2:
+            raise ValueError(f"w_gate with w_up=None must be the joined gate/up weight [E, 2I, H], got "
+                             f"{tuple(w_gate.shape)}")
+        w_gate, w_up = weight_layout.split(w_gate)
     if w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise ValueError(f"w_gate, w_up must be [E, I, H] and w_down [E, H, I], got {tuple(w_gate.shape)}, "
                          f"{tuple(w_up.shape)}, {tuple(w_down.shape)}")
@@ -413,19 +451,29 @@ def quantize_expert_weights(w_gate, w_up, w_down, precision: str) -> _precision.
         return _precision.expert_weights(recipe, w_gate.detach(), w_up.detach(), w_down.detach())
 
 
+def _dense(t: Tensor) -> Tensor:
+    """t itself where the kernels read it in place (contiguous, or a weight with dense rows: `weight_layout.dense_rows`,
+    e.g. a half of a joined gate/up weight), else a contiguous copy (autograd sees the copy, so the gradient still
+    reaches t)."""
+    return t if t.is_contiguous() or (t.dim() == 3 and weight_layout.dense_rows(t)) else t.contiguous()
+
+
 def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group=None, config=None,
         swiglu_limit=None, expert_weights=None):
     """The MoE layer of docs/CONTRACT.md:
     y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
-    x [N, H]; router_weights [N, k] fp32 (fp64 when x is fp64; differentiable); topk_ids [N, k] int
-    (int32 or int64; int8, uint8 and int16 are taken as int64; global expert ids in [0, E)); any strides (views
-    are copied to dense tensors); w_gate, w_up [E_local, I, H], w_down [E_local, H, I] (nn.Linear
-    layout); shared = (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is]) or None; group: the
-    expert-parallel process group (None: EP=1); config: `serval.Config`; swiglu_limit: before SwiGLU,
-    the gate clamped to max=limit and up to [-limit, limit], in the routed experts and the shared
-    expert alike; expert_weights: in an FP8 precision, `quantize_expert_weights(w_gate, w_up, w_down,
-    precision)` made after the weights' last update (None: they are quantized in each call).
+    x [N, H]; router_weights [N, k] (differentiable; fp32, or bf16 / fp16 as a router may give them, computed in
+    fp32; fp64 when x is fp64); topk_ids [N, k] int (int32 or int64; int8, uint8 and int16 are taken as int64;
+    global expert ids in [0, E)); w_gate, w_up [E_local, I, H], w_down [E_local, H, I] (nn.Linear layout), or
+    w_gate the joined gate/up weight [E_local, 2I, H] (every expert's gate rows, then its up rows: transformers'
+    `gate_up_proj`) with w_up=None: read in place, its gradient one [E_local, 2I, H] tensor; strided views are
+    copied to dense tensors, except weights whose rows are dense (read in place); shared = (ws_gate [Is, H],
+    ws_up [Is, H], ws_down [H, Is]) or None; group: the expert-parallel process group (None: EP=1); config:
+    `serval.Config`; swiglu_limit: before SwiGLU, the gate clamped to max=limit and up to [-limit, limit], in the
+    routed experts and the shared expert alike; expert_weights: in an FP8 precision, `quantize_expert_weights(
+    w_gate, w_up, w_down, precision)` made after the weights' last update (None: made once per version of the
+    weights and kept, `serval.weight_cache`).
     Returns y [N, H] in x's dtype; differentiable in x, router_weights and every weight; bitwise
     deterministic; no host-device synchronisation. Bad input: a TypeError/ValueError naming the
     argument; expert ids out of range: see the module docstring (on CUDA, a NaN step and a
@@ -434,22 +482,30 @@ def moe(x, router_weights, topk_ids, w_gate, w_up, w_down, shared=None, *, group
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, Config):
         raise TypeError(f"config must be a serval.Config, got {type(config).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be None or a torch.distributed.ProcessGroup (the expert-parallel group), got "
+                        f"{type(group).__name__}")
     ep_size = 1 if group is None else group.size()
     validate_inputs(x, router_weights, topk_ids, w_gate, w_up, w_down, shared, swiglu_limit, ep_size)
-    # the op and its kernels take dense rows and int32 / int64 ids: strided views are copied (autograd sees the
-    # copies, so the gradients still reach the views' bases)
-    x, router_weights, w_gate, w_up, w_down = (t.contiguous() for t in (x, router_weights, w_gate, w_up, w_down))
+    # the op and its kernels take dense rows and int32 / int64 ids
+    x, router_weights, w_gate, w_down = (_dense(t) for t in (x, router_weights, w_gate, w_down))
+    w_up = None if w_up is None else _dense(w_up)
+    if router_weights.dtype in (torch.bfloat16, torch.float16):
+        router_weights = router_weights.float()
     topk_ids = topk_ids.contiguous() if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int64)
     if shared is not None:
         shared = tuple(t.contiguous() for t in shared)
+    gate, up = _gate_and_up(w_gate, w_up)
     recipe = precision.recipe_of(config.precision)
     if recipe is not None:
-        precision.check_inputs(recipe, x.dtype, w_gate.shape[1], config.block_m)
+        precision.check_inputs(recipe, x.dtype, gate.shape[1], config.block_m)
     if expert_weights is not None:
         if recipe is None:
             raise ValueError("expert_weights is for the FP8 precisions (Config.precision 'mxfp8' or "
                              "'fp8_blockwise'); this call runs in bf16")
-        precision.check_expert_weights(recipe, expert_weights, w_gate, w_down)
+        precision.check_expert_weights(recipe, expert_weights, gate, w_down)
+    elif recipe is not None and weight_cache.usable():
+        expert_weights = weight_cache.expert_weights(recipe, gate, up, w_down)
     workspace_id = -1
     if ep_size > 1:
         num_tokens, top_k = topk_ids.shape

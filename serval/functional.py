@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import macrobatch, precision, stages
+from . import macrobatch, precision, stages, weight_layout
 from . import schedule as schedule_module
 from .config import Config
 from .schedule import (Schedule, capacity_rows, dense_schedule, ep_capacity_rows, local_schedule,
@@ -682,8 +682,9 @@ def _expert_backward(ops, d_y, x, router_weights, row_router_weights, schedule, 
     d_w_gate = d_w_up = None
     if weight_grads or transport is not None:
         x_rows = _rows_in(ops, x, schedule, transport)
-    if weight_grads:
-        d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows)
+    if weight_grads:  # in the weights' layout: the halves of one tensor for a joined gate/up weight
+        d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up, x, schedule, x_rows=x_rows,
+                                                   out=weight_layout.grad_buffers(w_gate, w_up))
     return d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, shared_grads
 
 
@@ -763,7 +764,7 @@ def backward(d_y, ctx: ForwardContext, x, router_weights, w_gate, w_up, w_down, 
         if weight_grads:
             row_rw = stages.row_weights(row_router_weights, schedule).float()
             d_w_gate, d_w_up, d_w_down = precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up,
-                                                                       ctx.kept, row_rw, schedule, w_gate.shape[1])
+                                                                       ctx.kept, row_rw, schedule, w_gate, w_up)
     else:
         schedule = ctx.schedule
         pulls = transport is not None and precision.pulls_in_gemm(ops, recipe, backward=True)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import precision, stages
+from . import precision, stages, weight_layout
 from .ops import dequantize
 from .peers import PeerSlots, PeerTokens
 from .schedule import Schedule, Window, slot_schedule, windows
@@ -149,7 +149,7 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
     d_w_gate = d_w_up = d_w_down = None
     shared_out = [None]
     if weight_grads:
-        d_w_gate, d_w_up = (torch.empty(num_experts, inter, hidden, dtype=x.dtype, device=x.device) for _ in "gu")
+        d_w_gate, d_w_up = weight_layout.grad_buffers(w_gate, w_up)
         d_w_down = torch.empty(num_experts, hidden, inter, dtype=x.dtype, device=x.device)
         carry_gate_up = torch.empty(2, 2 * inter, hidden, dtype=torch.float32, device=x.device)
         carry_down = torch.empty(2, hidden, inter, dtype=torch.float32, device=x.device)
@@ -199,7 +199,8 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
             ops.gate_up_weight_grad(d_gate_up, x, s, x_rows=x_rows, window=wgrad_windows[1])
         elif wgrad_windows is not None and fused:  # mxfp8: the operands quantized along tokens, window by window
             precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept,
-                                          stages.row_weights(row_router_weights, s).float(), s, inter, wgrad_windows)
+                                          stages.row_weights(row_router_weights, s).float(), s, w_gate, w_up,
+                                          wgrad_windows)
 
     def write(target):
         def with_d_y(d_y_source):

@@ -56,7 +56,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from . import stages
+from . import stages, weight_layout
 from .ops import QuantizedTensor, dequantize, quantize
 from .schedule import Schedule
 
@@ -419,14 +419,16 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     if not weight_grads:
         return d_x_rows, d_rw_rows, None, None, None
     return (d_x_rows, d_rw_rows, *expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept, row_rw,
-                                                      schedule, w_gate.shape[1], windows))
+                                                      schedule, w_gate, w_up, windows))
 
 
 def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
-                        schedule: Schedule, inter: int, windows=None):
+                        schedule: Schedule, w_gate, w_up, windows=None):
     """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
     rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I],
-    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows). windows: the macrobatch ring's
+    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows); d_w_gate and d_w_up in the layout
+    of the weights w_gate, w_up (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight).
+    windows: the macrobatch ring's
     (down, gate/up) `WgradWindow`s of these rows (`serval.kernels.weight_grad`; the gate/up one with outputs
     (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a
     window (its rows start on a block_m boundary, a multiple of the block)."""
@@ -436,25 +438,32 @@ def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up
     d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
     x_tokens, x_tokens_deq = _rows_quantized(x, x_rows, schedule, recipe.tokens)
     down_window, gate_up_window = windows or (None, None)
+    inter = w_gate.shape[1]
+    out = weight_layout.grad_buffers(w_gate, w_up) if gate_up_window is None else (None, None)
     if recipe.fp8_gemm:
         d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule, **_window(down_window))
         # one GEMM per half of d_gate_up's rows: each writes its weight's gradient contiguous (no copy), each
         # window with its half of the carries
         d_w_gate, d_w_up = (ops.fp8_weight_grad(_row_slice(d_gate_up_tokens, half * inter, inter), x_tokens, schedule,
-                                                **_window(_half(gate_up_window, half, inter)))
+                                                **_window(_half(gate_up_window, half, inter)), **_out(out[half]))
                             for half in (0, 1))
     else:
         d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule,
                                         **_window(down_window))
         d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up_tokens_deq, x_tokens_deq, schedule,
-                                                   x_rows=x_tokens_deq,
-                                                   **_window(gate_up_window))
+                                                   x_rows=x_tokens_deq, **_window(gate_up_window),
+                                                   **_out(None if gate_up_window else out))
     return d_w_gate, d_w_up, d_w_down
 
 
 def _window(window) -> dict:
     """The window keyword of a weight-gradient stage, only where there is one (the torch stages take none)."""
     return {} if window is None else {"window": window}
+
+
+def _out(out) -> dict:
+    """The out keyword of a weight-gradient stage, only where there is one (a window holds its own outputs)."""
+    return {} if out is None else {"out": out}
 
 
 def _half(window, half: int, inter: int):

@@ -221,11 +221,14 @@ def sum_slots(rows, schedule: Schedule, shared_rows=None):
     return out.to(rows.dtype)
 
 
-def gate_up_weight_grad(d_gate_up, x, schedule: Schedule, *, x_rows=None):
+def gate_up_weight_grad(d_gate_up, x, schedule: Schedule, *, x_rows=None, out=None):
     """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg] (x regathered, not kept,
-    unless the rows are given)."""
+    unless the rows are given); written into `out` (d_w_gate, d_w_up) where given (`serval.weight_layout.grad_buffers`:
+    the kernels write there directly, this path copies)."""
     x_rows = gather(x, schedule) if x_rows is None else x_rows
     d_w_gate, d_w_up = weight_grad(d_gate_up, x_rows, schedule).chunk(2, dim=1)
+    if out is not None:
+        return out[0].copy_(d_w_gate), out[1].copy_(d_w_up)
     return d_w_gate.clone(), d_w_up.clone()  # two tensors that own their memory, as the kernels return
 
 
@@ -267,7 +270,8 @@ def swiglu_backward_fp8(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, r
     return d_gate_up, _rows_quantized(d_gate_up, gate_up.block[1], scale_format), d_rw_rows
 
 
-def fp8_weight_grad(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule) -> torch.Tensor:
+def fp8_weight_grad(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule, out=None) -> torch.Tensor:
     """dW[e] = sum over expert e's rows of a[:, r] b[:, r]^T from operands stored along tokens, a [M, R],
-    b [N, R]: dequantized to fp32, multiplied in fp32; bf16 [E, M, N]."""
-    return weight_grad(dequantize(a).t(), dequantize(b).t(), schedule).to(torch.bfloat16)
+    b [N, R]: dequantized to fp32, multiplied in fp32; bf16 [E, M, N] (written into `out` where given)."""
+    grad = weight_grad(dequantize(a).t(), dequantize(b).t(), schedule).to(torch.bfloat16)
+    return grad if out is None else out.copy_(grad)

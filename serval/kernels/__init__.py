@@ -100,10 +100,10 @@ class KernelStages:
         return fp8_gemm.grouped_gemm(a.data, a.scale, b.data, b.scale, schedule)
 
     @staticmethod
-    def fp8_weight_grad(a, b, schedule, window=None):
+    def fp8_weight_grad(a, b, schedule, out=None, window=None):
         """`serval.stages.fp8_weight_grad` on the block-scaled FP8 kernels; `window` as the bf16 weight gradients
         take it (`weight_grad.WgradWindow`, one output)."""
-        return fp8_gemm.weight_grad(a.data, a.scale, b.data, b.scale, schedule, window=window)
+        return fp8_gemm.weight_grad(a.data, a.scale, b.data, b.scale, schedule, window=window, out=out)
 
 
 def plan_for(x: torch.Tensor) -> KernelPlan:

@@ -49,7 +49,7 @@ from .. import schedule as _schedule
 from ..plan import GLUON_VERSIONS
 from ..schedule import Schedule
 from . import common, gluon_common
-from .weight_grad import WgradWindow, check_window
+from .weight_grad import WgradWindow, check_outs, check_window
 
 SCALE_BLOCK = 128  # elements per scale along K (and along N for the weights)
 FP8 = torch.float8_e4m3fn
@@ -310,7 +310,7 @@ def grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tens
 
 def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
                 schedule: Schedule, *, engine: str = "auto", config=None,
-                window: WgradWindow | None = None) -> torch.Tensor:
+                window: WgradWindow | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """out bf16 [E, M, N]: out[e, m, n] = sum over expert e's rows, in 128-row steps kb (ascending),
     (a[m, kb-block] . b[n, kb-block]) * a_scale[m, kb] * b_scale[n, kb]; an expert with no rows gets zeros.
 
@@ -321,7 +321,8 @@ def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tenso
     and the operands are the window's): the sums of an expert with rows before the window start from carry_in,
     those of one with rows after it go to carry_out, and only the window's FINISH experts are written, into
     window.outs[0], which is returned. The window launches in row order give the one launch's bits (the same
-    K steps, in order, on the same fp32 accumulator)."""
+    K steps, in order, on the same fp32 accumulator). `out` (no window): the [E, M, N] bf16 tensor to write, rows
+    dense (e.g. a half of a joined gate/up gradient, `serval.weight_layout.grad_buffers`); None: a new one."""
     _check_fp8("a_data", a_data, 2)
     _check_fp8("b_data", b_data, 2)
     m, num_rows = a_data.shape
@@ -338,13 +339,16 @@ def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tenso
     _check_scale("a_scale", a_scale, (m, _cdiv(num_rows, SCALE_BLOCK)), "routed rows per row of a")
     _check_scale("b_scale", b_scale, (n, _cdiv(num_rows, SCALE_BLOCK)), "routed rows per row of b")
     num_experts = schedule.num_experts
-    if window is None:
+    if window is None and out is None:
         out = common.empty((num_experts, m, n), torch.bfloat16, a_data.device)
+    elif window is None:
+        check_outs("out", (out,), torch.bfloat16, num_experts, m, n)
     else:
         check_window(window, a_data.device, torch.bfloat16, num_experts, m, n, 1)
         out = window.outs[0]
-    _check_devices(schedule, a_data=a_data, a_scale=a_scale, b_data=b_data, b_scale=b_scale)
-    if _engine(engine, schedule, a_data, b_data, out) == "gluon":
+    _check_devices(schedule, a_data=a_data, a_scale=a_scale, b_data=b_data, b_scale=b_scale, out=out)
+    # the output is written with pointer stores (its rows dense, `check_outs`): not a TMA operand
+    if _engine(engine, schedule, a_data, b_data) == "gluon":
         from . import gluon_fp8
         gluon_fp8.weight_grad(a_data, a_scale, b_data, b_scale, schedule, out, config, window)
         return out

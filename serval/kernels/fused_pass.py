@@ -89,7 +89,8 @@ from ..plan import TileConfig
 from ..peers import PeerSlots
 from ..schedule import Schedule, packed_index
 from . import common, in_gemm_pull
-from .triton_gemm import _check, _descriptors, _gemm_tile, _tma_compatible, check_d_rw_chunks, new_d_rw_partial
+from .triton_gemm import (_check, _descriptors, _gemm_tile, _tma_compatible, check_d_rw_chunks, new_d_rw_partial,
+                          weights_in_place)
 
 FIRST, SECOND = 0, 1  # the GEMM of a task (forward: gate/up, down; backward: down dgrad, gate/up dgrad)
 
@@ -195,8 +196,8 @@ def _fused_pass_kernel(
     # A of the first GEMM: rows [R, H] (forward x's, backward d_y's); the schedule
     a_ptr, num_rows, row_source_ptr, tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m, packed_ptr,
     # weights: the first GEMM's two (forward w_gate, w_up [E, I, H]; backward w_down [E, H, I] twice) and the
-    # second's (forward w_down twice; backward w_gate, w_up)
-    w_first0_ptr, w_first1_ptr, w_second0_ptr, w_second1_ptr,
+    # second's (forward w_down twice; backward w_gate, w_up); each pair's expert stride (rows dense)
+    w_first0_ptr, w_first1_ptr, w_second0_ptr, w_second1_ptr, stride_w_first, stride_w_second,
     # the first GEMM's outputs: c (forward the packed gate_up [num_packed, 2I], backward d_gate_up [R, 2I]) and h
     # [R, I] (forward h, backward rw * h); the second's: o [R, H] (forward o, backward d_x's rows)
     c_ptr, h_ptr, o_ptr,
@@ -263,10 +264,12 @@ def _fused_pass_kernel(
     n_second = tl.cdiv(HIDDEN, SECOND_BLOCK_N)
     num_tasks = num_m_tiles * (n_first + n_second)
 
-    first_descs = _descriptors(a_ptr, HIDDEN, num_rows, w_first0_ptr, w_first1_ptr, c_ptr, 2 * INTER, h_ptr,
+    first_descs = _descriptors(a_ptr, HIDDEN, num_rows, w_first0_ptr, w_first1_ptr, stride_w_first, c_ptr, 2 * INTER,
+                               h_ptr,
                                num_experts, INTER, HIDDEN, BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K,
                                FIRST_BLOCK_N // FIRST_EPI_SPLIT, W_NK, False, FIRST_EPILOGUE, False, USE_TMA)
-    second_descs = _descriptors(second_a_ptr, stride_second_a, num_rows, w_second0_ptr, w_second1_ptr, o_ptr,
+    second_descs = _descriptors(second_a_ptr, stride_second_a, num_rows, w_second0_ptr, w_second1_ptr,
+                                stride_w_second, o_ptr,
                                 HIDDEN, o_ptr, num_experts, HIDDEN, INTER, BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K,
                                 SECOND_BLOCK_N // SECOND_EPI_SPLIT, W_NK, BACKWARD, "store", PUSH, USE_TMA)
     if HAS_SHARED:  # the shared expert's tasks come first: they need no pulled rows, so they fill the pull's time
@@ -274,12 +277,12 @@ def _fused_pass_kernel(
         num_shared_tasks = sh_num_m_tiles * (sh_n_first + n_second)
         sh_second_a_ptr = sh_c_ptr if BACKWARD else sh_h_ptr
         sh_stride_second_a = 2 * SH_INTER if BACKWARD else SH_INTER
-        sh_first_descs = _descriptors(sh_a_ptr, HIDDEN, sh_num_rows, sh_w_first0_ptr, sh_w_first1_ptr, sh_c_ptr,
+        sh_first_descs = _descriptors(sh_a_ptr, HIDDEN, sh_num_rows, sh_w_first0_ptr, sh_w_first1_ptr, 0, sh_c_ptr,
                                       2 * SH_INTER, sh_h_ptr, 1, SH_INTER, HIDDEN, BLOCK_M, FIRST_BLOCK_N,
                                       FIRST_BLOCK_K, FIRST_BLOCK_N // FIRST_EPI_SPLIT, W_NK, False, FIRST_EPILOGUE,
                                       False, USE_TMA)
         sh_second_descs = _descriptors(sh_second_a_ptr, sh_stride_second_a, sh_num_rows, sh_w_second0_ptr,
-                                       sh_w_second1_ptr, sh_o_ptr, HIDDEN, sh_o_ptr, 1, HIDDEN, SH_INTER, BLOCK_M,
+                                       sh_w_second1_ptr, 0, sh_o_ptr, HIDDEN, sh_o_ptr, 1, HIDDEN, SH_INTER, BLOCK_M,
                                        SECOND_BLOCK_N, SECOND_BLOCK_K, SECOND_BLOCK_N // SECOND_EPI_SPLIT, W_NK,
                                        BACKWARD, "store", False, USE_TMA)
         num_tasks += num_shared_tasks
@@ -326,21 +329,22 @@ def _fused_pass_kernel(
             if is_second & is_shared:
                 _gemm_tile(sh_second_descs, m_tile, n_tile,
                            sh_second_a_ptr, sh_stride_second_a, sh_num_rows, sh_row_source_ptr, push_table_ptr, 0,
-                           sh_tile_expert_ptr, sh_block_m, sh_w_second0_ptr, sh_w_second1_ptr, sh_o_ptr, HIDDEN,
+                           sh_tile_expert_ptr, sh_block_m, sh_w_second0_ptr, sh_w_second1_ptr, 0, sh_o_ptr, HIDDEN,
                            sh_o_ptr, sh_packed_ptr, sh_o_ptr, sh_o_ptr, sh_o_ptr, sh_o_ptr, HIDDEN, SH_INTER,
                            swiglu_limit, BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K, W_NK, BACKWARD, "store", HAS_LIMIT,
                            USE_TMA, UPCAST, SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, False, False, 0)
             if is_first & is_shared:
                 _gemm_tile(sh_first_descs, m_tile, n_tile,
                            sh_a_ptr, HIDDEN, sh_num_rows, sh_row_source_ptr, sh_o_ptr, 0,
-                           sh_tile_expert_ptr, sh_block_m, sh_w_first0_ptr, sh_w_first1_ptr, sh_c_ptr, 2 * SH_INTER,
+                           sh_tile_expert_ptr, sh_block_m, sh_w_first0_ptr, sh_w_first1_ptr, 0, sh_c_ptr, 2 * SH_INTER,
                            sh_h_ptr, sh_packed_ptr, sh_gate_up_ptr, sh_router_weights_ptr, sh_d_rw_partial_ptr,
                            sh_o_ptr, SH_INTER, HIDDEN, swiglu_limit, BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK,
                            False, FIRST_EPILOGUE, HAS_LIMIT, USE_TMA, UPCAST, FIRST_EPI_SPLIT, False, False, False, 0)
         if is_second & is_routed:
             _gemm_tile(second_descs, m_tile, n_tile,
                        second_a_ptr, stride_second_a, num_rows, row_source_ptr, push_table_ptr, push_slots_per_rank,
-                       tile_expert_ptr, sched_block_m, w_second0_ptr, w_second1_ptr, o_ptr, HIDDEN, o_ptr,
+                       tile_expert_ptr, sched_block_m, w_second0_ptr, w_second1_ptr, stride_w_second, o_ptr, HIDDEN,
+                       o_ptr,
                        packed_ptr, o_ptr, o_ptr, o_ptr, o_ptr, HIDDEN, INTER, swiglu_limit,
                        BLOCK_M, SECOND_BLOCK_N, SECOND_BLOCK_K, W_NK, BACKWARD, "store", HAS_LIMIT, USE_TMA, UPCAST,
                        SECOND_EPI_SPLIT, USE_TMA and SECOND_EPI_TMA_STORES, PUSH, PUSH_ALIGNED, 0)
@@ -351,7 +355,8 @@ def _fused_pass_kernel(
                                         PRINT_TIMEOUTS)
             _gemm_tile(first_descs, m_tile, n_tile,
                        a_ptr, HIDDEN, num_rows, row_source_ptr, o_ptr, 0,
-                       tile_expert_ptr, sched_block_m, w_first0_ptr, w_first1_ptr, c_ptr, 2 * INTER, h_ptr,
+                       tile_expert_ptr, sched_block_m, w_first0_ptr, w_first1_ptr, stride_w_first, c_ptr, 2 * INTER,
+                       h_ptr,
                        packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, deq_ptr, INTER, HIDDEN,
                        swiglu_limit, BLOCK_M, FIRST_BLOCK_N, FIRST_BLOCK_K, W_NK, False, FIRST_EPILOGUE, HAS_LIMIT,
                        USE_TMA, UPCAST, FIRST_EPI_SPLIT, False, False, False, QUANT_BLOCK)
@@ -570,8 +575,10 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
     """One launch of `_fused_pass_kernel` (arguments checked by the callers); launch_tiles: whose num_warps and
     num_stages the launch takes; deq: with quant_block, the second GEMM's A (the first's output round-tripped);
     pulled: with quant_block and pull, where the pull programs keep the rows as pulled (a_rows gets them
-    round-tripped)."""
+    round-tripped). w_first, w_second: each GEMM's two weights, rows dense (`triton_gemm.weights_in_place`), one
+    expert stride a pair."""
     device = a_rows.device
+    stride_w_first, stride_w_second = (weights_in_place(*pair)[1] for pair in (w_first, w_second))
     if use_tma:
         use_tma = _tma_compatible(*tma_operands)
     if use_tma and not common.INTERPRET:
@@ -614,7 +621,7 @@ def _launch(*, backward: bool, a_rows, w_first, w_second, c, h, o, schedule: Sch
     _fused_pass_kernel[(num_programs,)](
         a_rows, schedule.capacity, schedule.row_source, schedule.tile_expert, schedule.expert_offsets,
         schedule.num_experts, schedule.block_m, packed_index(schedule),
-        *w_first, *w_second, c, h, o,
+        *w_first, *w_second, stride_w_first, stride_w_second, c, h, o,
         gate_up if gate_up is not None else h, router_weights if router_weights is not None else h,
         d_rw_partial if d_rw_partial is not None else h, deq if deq is not None else h,
         hidden, inter, float(swiglu_limit) if swiglu_limit is not None else 0.0,
@@ -681,7 +688,9 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
                                           {"gate_up_tiles": gate_up_tiles, "down_tiles": down_tiles}, sync, pull,
                                           push_to, "a_rows", shared, backward=False, inter=inter,
                                           quant_block=quant_block)
-    a_rows, w_gate, w_up, w_down = a_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
+    a_rows = a_rows.contiguous()
+    (w_gate, w_up), _ = weights_in_place(w_gate, w_up)
+    w_down = weights_in_place(w_down)[0][0]
     dtype, device = a_rows.dtype, a_rows.device
     gate_up = common.empty((schedule.num_packed, 2 * inter), dtype, device)
     h = common.empty((schedule.capacity, inter), dtype, device)
@@ -753,8 +762,9 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
                                           sync, pull, push_to, "d_y_rows", shared, backward=True, inter=inter,
                                           quant_block=quant_block)
     check_d_rw_chunks(f"{what}: dgrad_tiles", dgrad_tiles.block_n, dgrad_tiles.epi_split)
-    d_y_rows, w_gate, w_up, w_down = (d_y_rows.contiguous(), w_gate.contiguous(), w_up.contiguous(),
-                                      w_down.contiguous())
+    d_y_rows = d_y_rows.contiguous()
+    (w_gate, w_up), _ = weights_in_place(w_gate, w_up)
+    w_down = weights_in_place(w_down)[0][0]
     dtype, device = d_y_rows.dtype, d_y_rows.device
     num_rows = schedule.capacity
     d_gate_up = common.empty((num_rows, 2 * inter), dtype, device)

@@ -14,6 +14,7 @@ import functools
 import torch
 import triton
 
+from ..weight_layout import dense_rows
 from ..plan import GLUON_VERSIONS
 from ..schedule import Schedule
 from . import common
@@ -73,13 +74,14 @@ if GLUON:
 def takes(schedule: Schedule, *tensors: torch.Tensor, k: int | None = None, block_k: int = 64,
           split_at: int | None = None) -> bool:
     """Whether a Gluon engine runs here and takes these operands: bf16, TMA-addressable (16-byte aligned
-    rows and bases), whole 128-row tiles, K a whole number of K-tiles where the weights are [E, K, N] (a
+    rows and bases; contiguous, or weights [E, *, *] with dense rows, `serval.weight_layout.dense_rows`), whole 128-row tiles, K a whole number of K-tiles where the weights are [E, K, N] (a
     K-tile of the 2-D weight view must not reach into the next expert), and split_at (the column where a
     [*, 2I] tensor is cut into two TMA views) 16-byte aligned."""
     if not available() or schedule.block_m % 128:
         return False
     for t in tensors:
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or (t.shape[-1] * 2) % 16 or t.data_ptr() % 16:
+        dense = t.is_contiguous() or (t.dim() == 3 and dense_rows(t) and (t.stride(0) * 2) % 16 == 0)
+        if t.dtype != torch.bfloat16 or not dense or (t.shape[-1] * 2) % 16 or t.data_ptr() % 16:
             return False
     if split_at is not None and (split_at * 2) % 16:
         return False

@@ -17,9 +17,11 @@ half the A bytes per flop, so a gathering loader has half the copies to issue pe
 is not overlapped with MMAs: the consumers store [64, EPI_N] column chunks with 16-byte pointer stores,
 which leaves the shared memory to the ring.
 
-The weights are read in place as 2-D TMA views: [E * N, K] with the tile at row e * N + n0 (an N-tile past
-N reads the next expert's rows into columns the stores drop), or [E * K, N] with the K-tile at row
-e * K + k, so `gluon_common.takes` asks K % 64 == 0 there.
+The weights are read in place as 2-D TMA views (`serval.weight_layout.as_rows`): [E * N, K] with the tile at row
+e * W_ROWS + n0 (an N-tile past N reads the next rows into columns the stores drop), or [E * K, N] with the
+K-tile at row e * W_ROWS + k, so `gluon_common.takes` asks K % 64 == 0 there. W_ROWS is the rows from one
+expert to the next: N or K for a contiguous weight, 2I for the halves of a joined gate/up weight (w_up's view
+then starts I rows into it).
 
 Determinism and results: as the Triton GEMM (K in BLOCK_K steps, one program per output element); every
 output equals it bit for bit (tests/test_kernels_coop.py). The mbarrier waits need no time bound: every
@@ -29,6 +31,7 @@ arrival they wait for is made unconditionally by the same program.
 from __future__ import annotations
 
 
+from ..weight_layout import as_rows, expert_rows
 from ..plan import GluonConfig
 from ..schedule import Schedule, packed_index
 from . import common, gluon_common, swiglu
@@ -44,7 +47,7 @@ if gluon_common.GLUON:
 
     @gluon.jit
     def _loader(a_desc, w0_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m, num_tiles,
-                num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, EPILOGUE: gl.constexpr,
+                num_m_tiles, num_n_tiles, N_OUT, K, W_ROWS, x_ptr, row_source_ptr, top_k, EPILOGUE: gl.constexpr,
                 W_NK: gl.constexpr, K_SPLIT: gl.constexpr, A_GATHER: gl.constexpr, GROUP_M: gl.constexpr,
                 STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -83,21 +86,21 @@ if gluon_common.GLUON:
                     mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_bytes)
                     tma.async_copy_global_to_shared(a_desc, [m0, kk * BLOCK_K], ready.index(slot), a_bufs.index(slot))
                 if EPILOGUE == "swiglu_fwd":  # w_gate's tile over w_up's
-                    w_coords = [expert * N_OUT + n0, kk * BLOCK_K]
+                    w_coords = [expert * W_ROWS + n0, kk * BLOCK_K]
                     tma.async_copy_global_to_shared(w0_desc, w_coords, ready.index(slot), w_slot.slice(0, TILE_N))
                     tma.async_copy_global_to_shared(w1_desc, w_coords, ready.index(slot), w_slot.slice(TILE_N, TILE_N))
                 elif W_NK:
-                    tma.async_copy_global_to_shared(w0_desc, [expert * N_OUT + n0, kk * BLOCK_K], ready.index(slot),
+                    tma.async_copy_global_to_shared(w0_desc, [expert * W_ROWS + n0, kk * BLOCK_K], ready.index(slot),
                                                     w_slot)
                 elif K_SPLIT:
                     if kk < k_steps:
-                        tma.async_copy_global_to_shared(w0_desc, [expert * K + kk * BLOCK_K, n0], ready.index(slot),
+                        tma.async_copy_global_to_shared(w0_desc, [expert * W_ROWS + kk * BLOCK_K, n0], ready.index(slot),
                                                         w_slot)
                     else:
-                        tma.async_copy_global_to_shared(w1_desc, [expert * K + (kk - k_steps) * BLOCK_K, n0],
+                        tma.async_copy_global_to_shared(w1_desc, [expert * W_ROWS + (kk - k_steps) * BLOCK_K, n0],
                                                         ready.index(slot), w_slot)
                 else:
-                    tma.async_copy_global_to_shared(w0_desc, [expert * K + kk * BLOCK_K, n0], ready.index(slot),
+                    tma.async_copy_global_to_shared(w0_desc, [expert * W_ROWS + kk * BLOCK_K, n0], ready.index(slot),
                                                     w_slot)
                 if A_GATHER:
                     k_cols = kk * BLOCK_K + cols
@@ -177,7 +180,7 @@ if gluon_common.GLUON:
 
     @gluon.jit
     def _cooperative_kernel(a_desc, w0_desc, w1_desc, tile_expert_ptr, expert_offsets_ptr, num_experts,
-                            sched_block_m, N_OUT, K, x_ptr, row_source_ptr, top_k, packed_ptr, gate_up_ptr, out_ptr,
+                            sched_block_m, N_OUT, K, W_ROWS, x_ptr, row_source_ptr, top_k, packed_ptr, gate_up_ptr, out_ptr,
                             swiglu_limit, EPILOGUE: gl.constexpr, W_NK: gl.constexpr, K_SPLIT: gl.constexpr,
                             A_GATHER: gl.constexpr, HAS_LIMIT: gl.constexpr, EPI_SPLIT: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
@@ -211,15 +214,18 @@ if gluon_common.GLUON:
                          gate_up_ptr, out_ptr, swiglu_limit, 1, EPILOGUE, W_NK, K_SPLIT, HAS_LIMIT, EPI_SPLIT,
                          GROUP_M, STAGES, NUM_PROGRAMS)),
             (_loader, (a_desc, w0_desc, w1_desc, a_bufs, w_bufs, ready, empty, tile_expert_ptr, sched_block_m,
-                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, x_ptr, row_source_ptr, top_k, EPILOGUE, W_NK,
+                       num_tiles, num_m_tiles, num_n_tiles, N_OUT, K, W_ROWS, x_ptr, row_source_ptr, top_k, EPILOGUE,
+                       W_NK,
                        K_SPLIT, A_GATHER, GROUP_M, STAGES, NUM_PROGRAMS)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
 def _launch(a, w0, w1, *, schedule: Schedule, n_out: int, k: int, epilogue: str, w_nk: bool, k_split: bool,
             gather: bool, out, config: GluonConfig, swiglu_limit=None, gate_up=None):
-    """w0, w1: the weights as 2-D TMA views ([E * N, K] if w_nk, else [E * K, N]); a: rows [R, K] (K_SPLIT:
-    [R, 2K]) or, gathering, the tokens."""
+    """w0, w1: the weights [E, N, K] if w_nk, else [E, K, N], rows dense and one layout (`serval.weight_layout`), read
+    as 2-D TMA views; a: rows [R, K] (K_SPLIT: [R, 2K]) or, gathering, the tokens."""
+    w_rows = expert_rows(w0)
+    w0, w1 = as_rows(w0), as_rows(w1)
     block_m, block_k, block_n = 128, 64, 256
     tile_n = block_n // 2 if epilogue == "swiglu_fwd" else block_n
     w_box = [tile_n, block_k] if w_nk else [block_k, block_n]
@@ -227,7 +233,7 @@ def _launch(a, w0, w1, *, schedule: Schedule, n_out: int, k: int, epilogue: str,
     num_programs = max(1, min(common.num_sms(a.device.index), num_tiles))
     _cooperative_kernel[(num_programs,)](
         descriptor(a, [block_m, block_k]), descriptor(w0, w_box), descriptor(w1, w_box),
-        schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, n_out, k, a,
+        schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m, n_out, k, w_rows, a,
         schedule.row_source, schedule.top_k, packed_index(schedule) if gate_up is not None else schedule.row_source,
         gate_up if gate_up is not None else out, out, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         EPILOGUE=epilogue, W_NK=w_nk, K_SPLIT=k_split, A_GATHER=gather, HAS_LIMIT=swiglu_limit is not None,
@@ -241,10 +247,10 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, config: Gl
     x bf16: the gathered rows [R, H], or with gather=True the tokens [N, H], gathered by the loader
     (cp.async); w_gate, w_up bf16 [E, I, H]. Returns gate_up bf16 [num_packed, 2I] (packed rows) and
     h bf16 [R, I]."""
-    num_experts, inter, hidden = w_gate.shape
+    _, inter, hidden = w_gate.shape
     gate_up = common.empty((schedule.num_packed, 2 * inter), x.dtype, x.device)
     h = common.empty((schedule.capacity, inter), x.dtype, x.device)
-    _launch(x, w_gate.view(num_experts * inter, hidden), w_up.view(num_experts * inter, hidden), schedule=schedule,
+    _launch(x, w_gate, w_up, schedule=schedule,
             n_out=inter, k=hidden, epilogue="swiglu_fwd", w_nk=True, k_split=False, gather=gather, out=h,
             config=config, swiglu_limit=swiglu_limit, gate_up=gate_up)
     return gate_up, h
@@ -253,10 +259,9 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit, config: Gl
 def down(h, w_down, schedule: Schedule, config: GluonConfig):
     """The down GEMM on the cooperative engine: h bf16 [R, I], w_down bf16 [E, H, I] -> o bf16 [R, H] =
     h @ w_down[e].T."""
-    num_experts, hidden, inter = w_down.shape
+    _, hidden, inter = w_down.shape
     out = common.empty((schedule.capacity, hidden), h.dtype, h.device)
-    w2d = w_down.view(num_experts * hidden, inter)
-    _launch(h, w2d, w2d, schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=True, k_split=False,
+    _launch(h, w_down, w_down, schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=True, k_split=False,
             gather=False, out=out, config=config)
     return out
 
@@ -264,9 +269,8 @@ def down(h, w_down, schedule: Schedule, config: GluonConfig):
 def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, config: GluonConfig):
     """The gate/up dgrad on the cooperative engine: d_gate_up bf16 [R, 2I], w_gate, w_up bf16 [E, I, H] ->
     d_x_rows bf16 [R, H] = d_gate @ w_gate[e] + d_up @ w_up[e], one accumulation over K = 2I."""
-    num_experts, inter, hidden = w_gate.shape
+    _, inter, hidden = w_gate.shape
     out = common.empty((schedule.capacity, hidden), d_gate_up.dtype, d_gate_up.device)
-    _launch(d_gate_up, w_gate.view(num_experts * inter, hidden), w_up.view(num_experts * inter, hidden),
-            schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=False, k_split=True, gather=False,
+    _launch(d_gate_up, w_gate, w_up, schedule=schedule, n_out=hidden, k=inter, epilogue="store", w_nk=False, k_split=True, gather=False,
             out=out, config=config)
     return out

@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from .. import peers
+from ..weight_layout import dense_rows
 from ..peers import PeerSlots
 from ..plan import TileConfig
 from ..schedule import Schedule, packed_index
@@ -87,9 +88,10 @@ def _load_a(a_desc, a_row_ptrs, a_row_valid, m0, k, col0, K,
 
 
 @triton.jit
-def _load_w(w_desc, w_ptr, expert, n0, k, N_OUT, K,
+def _load_w(w_desc, w_ptr, expert, n0, k, stride_we, N_OUT, K,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_NK: tl.constexpr, USE_TMA: tl.constexpr):
-    """The [BLOCK_K, BLOCK_N] tile of B_e at (k, n0), zeros outside [K, N_OUT]."""
+    """The [BLOCK_K, BLOCK_N] tile of B_e at (k, n0), zeros outside [K, N_OUT]; expert e's weight starts
+    e * stride_we elements into w (rows dense: `serval.weight_layout.dense_rows`)."""
     if USE_TMA:
         # 3-D descriptors [E, *, *]: out-of-range rows/cols of one expert read as zeros, never the next expert
         if W_NK:
@@ -100,7 +102,7 @@ def _load_w(w_desc, w_ptr, expert, n0, k, N_OUT, K,
         offs_k = k + tl.arange(0, BLOCK_K)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask = (offs_k < K)[:, None] & (offs_n < N_OUT)[None, :]
-        base = w_ptr + expert.to(tl.int64) * N_OUT * K
+        base = w_ptr + expert.to(tl.int64) * stride_we
         if W_NK:
             ptrs = base + offs_n[None, :] * K + offs_k[:, None]
         else:
@@ -190,22 +192,24 @@ def _swiglu_bwd_chunk(d_h_raw, pre_gate, pre_up, rw, m0, n0, n_limit, c0_desc, c
 
 
 @triton.jit
-def _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr, num_experts, N_OUT, K,
+def _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, stride_we, c_ptr, stride_c, h_ptr, num_experts,
+                 N_OUT, K,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI_N: tl.constexpr,
                  W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr, PUSH: tl.constexpr,
                  USE_TMA: tl.constexpr):
     """(a0, a1, w0, w1, c0, c1, h): the tensor descriptors `_gemm_tile` reads and writes through with USE_TMA (the
-    plain pointers where a variant uses none, and on the pointer path, where they are unused placeholders)."""
+    plain pointers where a variant uses none, and on the pointer path, where they are unused placeholders).
+    stride_we: the weights' expert stride (elements), the same for w0 and w1."""
     if USE_TMA:
         if W_NK:
-            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
+            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, N_OUT, K], strides=[stride_we, K, 1],
                                                 block_shape=[1, BLOCK_N, BLOCK_K])
-            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, N_OUT, K], strides=[N_OUT * K, K, 1],
+            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, N_OUT, K], strides=[stride_we, K, 1],
                                                 block_shape=[1, BLOCK_N, BLOCK_K])
         else:
-            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
+            w0_desc = tl.make_tensor_descriptor(w0_ptr, shape=[num_experts, K, N_OUT], strides=[stride_we, N_OUT, 1],
                                                 block_shape=[1, BLOCK_K, BLOCK_N])
-            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, K, N_OUT], strides=[K * N_OUT, N_OUT, 1],
+            w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts, K, N_OUT], strides=[stride_we, N_OUT, 1],
                                                 block_shape=[1, BLOCK_K, BLOCK_N])
         # the second half of a split-K A (and of every [R, 2 N_OUT] tensor) is its own descriptor, so that
         # TMA bounds each half at its own last column (the host checks the halves are 16-byte aligned)
@@ -246,7 +250,7 @@ def _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, c_ptr, stride_c, h_p
 def _gemm_tile(
     descs, m_tile, n_tile,
     a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
-    tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
+    tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, stride_we, c_ptr, stride_c, h_ptr,
     packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, deq_ptr, N_OUT, K, swiglu_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     W_NK: tl.constexpr, K_SPLIT: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -277,15 +281,15 @@ def _gemm_tile(
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         a = _load_a(a0_desc, a_row_ptrs, a_row_valid, m0, k, 0, K, BLOCK_K, USE_TMA)
-        b = _load_w(w0_desc, w0_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+        b = _load_w(w0_desc, w0_ptr, expert, n0, k, stride_we, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
         acc0 = _mma(a, b, acc0, UPCAST)
         if DUAL:
-            b1 = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+            b1 = _load_w(w1_desc, w1_ptr, expert, n0, k, stride_we, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
             acc1 = _mma(a, b1, acc1, UPCAST)
     if K_SPLIT:  # the same accumulator continues over A's second K columns against w1
         for k in range(0, K, BLOCK_K):
             a = _load_a(a1_desc, a_row_ptrs, a_row_valid, m0, k, K, K, BLOCK_K, USE_TMA)
-            b = _load_w(w1_desc, w1_ptr, expert, n0, k, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
+            b = _load_w(w1_desc, w1_ptr, expert, n0, k, stride_we, N_OUT, K, BLOCK_N, BLOCK_K, W_NK, USE_TMA)
             acc0 = _mma(a, b, acc0, UPCAST)
 
     # ------------------------------------------------ epilogues, EPI_SPLIT column chunks at a time
@@ -357,8 +361,9 @@ def _grouped_gemm_kernel(
     pull_table_ptr, pull_slots_per_rank, pull_flags_ptr, pull_epoch_ptr, pull_raw_ptr,
     # schedule
     tile_expert_ptr, expert_offsets_ptr, num_experts, sched_block_m,
-    # weights: w0 (and w1 for swiglu_fwd / K_SPLIT), [E, N_OUT, K] if W_NK else [E, K, N_OUT]
-    w0_ptr, w1_ptr,
+    # weights: w0 (and w1 for swiglu_fwd / K_SPLIT), [E, N_OUT, K] if W_NK else [E, K, N_OUT], rows dense, expert e
+    # at e * stride_we
+    w0_ptr, w1_ptr, stride_we,
     # outputs: c [R, N_OUT] (store), packed gate_up [num_packed, 2 N_OUT] (swiglu_fwd) or d_gate_up
     # [R, 2 N_OUT] (swiglu_bwd); h [R, N_OUT] (swiglu)
     c_ptr, stride_c, h_ptr,
@@ -382,8 +387,8 @@ def _grouped_gemm_kernel(
     num_n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     num_tiles = num_m_tiles * num_n_tiles
 
-    descs = _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr, num_experts, N_OUT, K,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EPI_N, W_NK, K_SPLIT, EPILOGUE, PUSH, USE_TMA)
+    descs = _descriptors(a_ptr, stride_a, num_rows, w0_ptr, w1_ptr, stride_we, c_ptr, stride_c, h_ptr, num_experts,
+                         N_OUT, K, BLOCK_M, BLOCK_N, BLOCK_K, EPI_N, W_NK, K_SPLIT, EPILOGUE, PUSH, USE_TMA)
 
     first_tile = tl.program_id(0)
     if PULL_PROGRAMS > 0:
@@ -399,7 +404,7 @@ def _grouped_gemm_kernel(
             in_gemm_pull.wait_for_rows(pull_flags_ptr + m_tile, epoch, m_tile, PRINT_TIMEOUTS)
         _gemm_tile(descs, m_tile, n_tile,
                    a_ptr, stride_a, num_rows, row_source_ptr, push_table_ptr, slots_per_rank,
-                   tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, c_ptr, stride_c, h_ptr,
+                   tile_expert_ptr, sched_block_m, w0_ptr, w1_ptr, stride_we, c_ptr, stride_c, h_ptr,
                    packed_ptr, gate_up_ptr, router_weights_ptr, d_rw_partial_ptr, c_ptr, N_OUT, K, swiglu_limit,
                    BLOCK_M, BLOCK_N, BLOCK_K, W_NK, K_SPLIT, EPILOGUE, HAS_LIMIT, USE_TMA, UPCAST, EPI_SPLIT,
                    EPI_TMA_STORES, PUSH, PUSH_ALIGNED, 0)
@@ -432,6 +437,16 @@ def _tma_compatible(*tensors_and_offsets) -> bool:
     return True
 
 
+def weights_in_place(*weights: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
+    """(weights, their expert stride in elements): the weights as given where their rows are dense and they share
+    one layout (`serval.weight_layout.dense_rows`: a contiguous weight, or the halves of a joined gate/up weight), which
+    the kernels read in place; else contiguous copies."""
+    if not (all(dense_rows(w) for w in weights) and len({w.stride() for w in weights}) == 1):
+        weights = tuple(w.contiguous() for w in weights)
+    w = weights[0]
+    return weights, w.stride(0) if w.shape[0] > 1 else w.shape[1] * w.shape[2]
+
+
 def _check(a: torch.Tensor, *weights: torch.Tensor):
     """bf16 (the fast path), fp16, or fp32 (exact fp32 dot products: slow on the GPU, for checks), all one dtype."""
     for t in (a, *weights):
@@ -446,6 +461,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, w_nk:
             pull: in_gemm_pull.Pull | None = None):
     """Launch the persistent grid for one stage; outputs are written in place (`out`, or with push_to the
     peers' slot buffers, `out` then unused). use_tma: TMA where every operand allows it."""
+    weights, stride_we = weights_in_place(*weights)
     w0, w1 = weights[0], weights[-1]
     block_m = min(tiles.block_m, schedule.block_m)
     if schedule.block_m % block_m:
@@ -484,7 +500,7 @@ def _launch(*, a, weights, out, h, schedule: Schedule, n_out: int, k: int, w_nk:
         push_to.table if push_to is not None else dummy, push_to.num_slots if push_to is not None else 0,
         *pull_args,
         schedule.tile_expert, schedule.expert_offsets, schedule.num_experts, schedule.block_m,
-        w0, w1,
+        w0, w1, stride_we,
         out, out.stride(0), h if h is not None else dummy,
         packed if packed is not None else dummy, gate_up if gate_up is not None else dummy,
         router_weights if router_weights is not None else dummy,
@@ -527,7 +543,7 @@ def gate_up_swiglu(a_rows, w_gate, w_up, schedule: Schedule, swiglu_limit: float
     _, inter, hidden = w_gate.shape
     gate_up = common.empty((schedule.num_packed, 2 * inter), a_rows.dtype, a_rows.device)
     h = common.empty((schedule.capacity, inter), a_rows.dtype, a_rows.device)
-    _launch(a=a_rows.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=gate_up, h=h,
+    _launch(a=a_rows.contiguous(), weights=(w_gate, w_up), out=gate_up, h=h,
             schedule=schedule, n_out=inter, k=hidden, w_nk=True, k_split=False, epilogue="swiglu_fwd", tiles=tiles,
             use_tma=use_tma, swiglu_limit=swiglu_limit, packed=packed_index(schedule), pull=pull)
     return gate_up, h
@@ -539,7 +555,7 @@ def down(h, w_down, schedule: Schedule, tiles: TileConfig, use_tma: bool, *, pus
     _check(h, w_down)
     hidden, inter = w_down.shape[1:]
     out = _output(schedule, hidden, h, push_to)
-    _launch(a=h.contiguous(), weights=(w_down.contiguous(),), out=out, h=None, schedule=schedule, n_out=hidden,
+    _launch(a=h.contiguous(), weights=(w_down,), out=out, h=None, schedule=schedule, n_out=hidden,
             k=inter, w_nk=True, k_split=False, epilogue="store", tiles=tiles, use_tma=use_tma, push_to=push_to)
     return None if push_to is not None else out
 
@@ -558,7 +574,7 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
     d_rw_partial = new_d_rw_partial(num_rows, inter, gate_up.device)
-    _launch(a=d_y_rows.contiguous(), weights=(w_down.contiguous(),), out=d_gate_up, h=h_weighted,
+    _launch(a=d_y_rows.contiguous(), weights=(w_down,), out=d_gate_up, h=h_weighted,
             schedule=schedule, n_out=inter, k=hidden, w_nk=False, k_split=False, epilogue="swiglu_bwd",
             tiles=tiles, use_tma=use_tma, swiglu_limit=swiglu_limit, packed=packed_index(schedule),
             gate_up=gate_up.contiguous(), router_weights=router_weights, d_rw_partial=d_rw_partial, pull=pull)
@@ -597,7 +613,7 @@ def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, tiles: TileConfig
     _check(d_gate_up, w_gate, w_up)
     inter, hidden = w_gate.shape[1:]
     out = _output(schedule, hidden, d_gate_up, push_to)
-    _launch(a=d_gate_up.contiguous(), weights=(w_gate.contiguous(), w_up.contiguous()), out=out, h=None,
+    _launch(a=d_gate_up.contiguous(), weights=(w_gate, w_up), out=out, h=None,
             schedule=schedule, n_out=hidden, k=inter, w_nk=False, k_split=True, epilogue="store", tiles=tiles,
             use_tma=use_tma, push_to=push_to)
     return None if push_to is not None else out

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from .. import schedule as _schedule
+from ..weight_layout import dense_rows
 from ..schedule import Schedule
 from . import common
 from .rows import gather as gather_rows
@@ -468,7 +469,9 @@ class WgradWindow:
     expert_phase: torch.Tensor  # [E] int32: serval.schedule.CARRY_IN | CARRY_OUT | FINISH
     carry_in: torch.Tensor  # [P, Q] fp32 (row out * P_OUT + p), read for the CARRY_IN expert
     carry_out: torch.Tensor  # [P, Q] fp32, written for the CARRY_OUT expert
-    outs: tuple[torch.Tensor, ...]  # num_outputs contiguous [E, P_OUT, Q] in a's dtype, written for FINISH experts
+    # num_outputs [E, P_OUT, Q] in a's dtype, rows dense, one layout (the halves of a joined gate/up gradient, or
+    # contiguous tensors), written for FINISH experts
+    outs: tuple[torch.Tensor, ...]
 
 
 def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -496,10 +499,16 @@ def check_window(window: WgradWindow, device: torch.device, dtype: torch.dtype, 
         raise ValueError("window.carry_in and window.carry_out must be separate buffers")
     if len(window.outs) != num_outputs:
         raise ValueError(f"window.outs has {len(window.outs)} tensors, expected num_outputs={num_outputs}")
-    for out in window.outs:
-        if out.shape != (E, P // num_outputs, Q) or out.dtype != dtype or not out.is_contiguous():
-            raise ValueError(f"window.outs must be contiguous [{E}, {P // num_outputs}, {Q}] {dtype} tensors, "
-                             f"got {list(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (strided)'}")
+    check_outs("window.outs", window.outs, dtype, E, P // num_outputs, Q)
+
+
+def check_outs(name: str, outs, dtype: torch.dtype, E: int, P_out: int, Q: int) -> None:
+    """ValueError unless `outs` are [E, P_out, Q] tensors of `dtype` with dense rows in one layout
+    (`serval.weight_layout.dense_rows`: contiguous, or the halves of one [E, 2 P_out, Q] tensor), the kernels' stores."""
+    for out in outs:
+        if out.shape != (E, P_out, Q) or out.dtype != dtype or not dense_rows(out) or out.stride() != outs[0].stride():
+            raise ValueError(f"{name} must be [{E}, {P_out}, {Q}] {dtype} tensors with dense rows, one layout, got "
+                             f"{[(list(o.shape), o.dtype, o.stride()) for o in outs]}")
 
 
 def _tma_ok(*tensors) -> bool:
@@ -521,6 +530,7 @@ def grouped_wgrad(
     lpt: bool = True,
     flatten: bool | None = None,
     window: WgradWindow | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The kernel's entry point: `num_outputs` tensors [E, P / num_outputs, Q] in a's dtype.
 
@@ -528,7 +538,8 @@ def grouped_wgrad(
     or a CONFIGS name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
     plain expert order. None of these change the result.
     `window`: one window of the rows (schedule and a, b are the window's); returns `window.outs`, where only
-    the window's FINISH experts are written.
+    the window's FINISH experts are written. `out`: where to write the outputs without a window (`check_outs`:
+    e.g. the halves of a joined gate/up gradient, `serval.weight_layout.grad_buffers`); None: new contiguous tensors.
     """
     if a.dtype not in _DTYPES or b.dtype != a.dtype:
         raise TypeError(f"weight_grad kernel takes bf16/fp16/fp32 a and b of one dtype, got {a.dtype}, {b.dtype}")
@@ -553,8 +564,13 @@ def grouped_wgrad(
         config = CONFIGS[config]
     config = _resolve_block_k(config, schedule.block_m)
 
-    if window is None:
+    if window is None and out is None:
         outs = tuple(common.empty((E, P_out, Q), a.dtype, a.device) for _ in range(num_outputs))
+    elif window is None:
+        if len(out) != num_outputs:
+            raise ValueError(f"out: {len(out)} tensors for num_outputs={num_outputs}")
+        check_outs("out", out, a.dtype, E, P_out, Q)
+        outs = tuple(out)
     else:
         check_window(window, a.device, a.dtype, E, P, Q, num_outputs)
         outs = window.outs
@@ -591,15 +607,17 @@ def grouped_wgrad(
 # ---------------------------------------------------------------- the stages (same signatures as serval.stages)
 
 def gate_up_weight_grad(d_gate_up: torch.Tensor, x: torch.Tensor, schedule: Schedule, *, x_rows=None,
-                        config=None, window: WgradWindow | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        config=None, window: WgradWindow | None = None,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E, I, H] each = d_gate_up[seg].T @ x_rows[seg]; d_gate_up [R, 2I], x [N, H].
 
     x_rows [R, H]: the rows already gathered (at EP: pulled); otherwise x is regathered by the row kernel
     (a gather pass and TMA reads of its rows run faster than gathering with pointer loads in this kernel).
-    `window`: one window of the rows (see `grouped_wgrad`); returns window.outs (gate, up).
+    `window`: one window of the rows (see `grouped_wgrad`); returns window.outs (gate, up). `out`: the
+    (d_w_gate, d_w_up) to write (`serval.weight_layout.grad_buffers`); None: two new tensors.
     """
     x_rows = gather_rows(x, schedule) if x_rows is None else x_rows
-    return grouped_wgrad(d_gate_up, x_rows, schedule, num_outputs=2, config=config, window=window)
+    return grouped_wgrad(d_gate_up, x_rows, schedule, num_outputs=2, config=config, window=window, out=out)
 
 
 def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule: Schedule, *, config=None,
