@@ -340,6 +340,10 @@ def _moe_backward(d_y: Tensor, x: Tensor, router_weights: Tensor, w_gate: Tensor
     d_w_gate, d_w_up = grads.w_gate, grads.w_up
     if joined and d_w_gate is not None:
         d_w_gate, d_w_up = weight_layout.joined(d_w_gate, d_w_up), None
+    elif d_w_gate is not None and weight_layout.is_joined(d_w_gate, d_w_up):
+        # w_gate and w_up were passed as the two halves of one tensor: their gradients are the halves of one buffer,
+        # and a custom op's outputs must not alias each other (pass the joined tensor with w_up=None instead)
+        d_w_up = d_w_up.clone()
     weights = (d_w_gate, d_w_up, grads.w_down, *(grads.shared or (None,) * 3))
     return (grads.x, grads.router_weights, *(x.new_empty(_EMPTY) if g is None else g for g in weights))
 

@@ -37,14 +37,26 @@ def problem(world_size, kind, num_tokens, seed=0, inter=I):
     return x, rw, ids, weights, shared, d_y
 
 
-def layer_grads(x, rw, ids, weights, shared, d_y, **kwargs):
+def layer_grads(x, rw, ids, weights, shared, d_y, joined=False, **kwargs):
+    """(y, the gradients of x, rw, w_gate, w_up, w_down and the shared weights); joined: the gate and up weights
+    passed as one [E, 2I, H] tensor (w_up=None), its gradient split back into the two for comparison."""
+    if joined:
+        weights = [torch.cat(weights[:2], dim=1), weights[2]]
     inputs = [t.detach().clone().requires_grad_() for t in (x, rw, *weights, *shared)]
-    y = serval.moe(inputs[0], inputs[1], ids, *inputs[2:5], tuple(inputs[5:]), swiglu_limit=SWIGLU_LIMIT, **kwargs)
-    return (y.detach(), *torch.autograd.grad(y, inputs, d_y))
+    routed = inputs[2:4] if joined else inputs[2:5]
+    if joined:
+        routed = [routed[0], None, routed[1]]
+    y = serval.moe(inputs[0], inputs[1], ids, *routed, tuple(inputs[4 + (not joined):]), swiglu_limit=SWIGLU_LIMIT,
+                   **kwargs)
+    grads = list(torch.autograd.grad(y, inputs, d_y))
+    if joined:
+        assert grads[2].is_contiguous() and grads[2].shape == weights[0].shape
+        grads[2:3] = grads[2].chunk(2, dim=1)
+    return (y.detach(), *grads)
 
 
 def worker(rank, world_size, init_file, kind, backend, macrobatch_size, device, num_tokens, pull_programs,
-           precision="bf16", inter=I, fused=(), quantize_weights_once=False, frozen=False):
+           precision="bf16", inter=I, fused=(), quantize_weights_once=False, frozen=False, joined=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))
     try:
@@ -78,14 +90,14 @@ def worker(rank, world_size, init_file, kind, backend, macrobatch_size, device, 
         local = (x[tokens], rw[tokens], ids[tokens], [w[experts] for w in weights], shared, d_y[tokens])
         # quantize_weights_once: the rank's FP8 expert weights made once (serval.quantize_expert_weights)
         made = serval.quantize_expert_weights(*local[3], precision) if quantize_weights_once else None
-        ep = layer_grads(*local, group=group, config=config, expert_weights=made)
+        ep = layer_grads(*local, group=group, config=config, expert_weights=made, joined=joined)
         if not (backend == "triton" and device == "cpu"):  # the interpreter runs programs one after another: a
             # second run could only repeat the first (CI time)
-            again = layer_grads(*local, group=group, config=config, expert_weights=made)
+            again = layer_grads(*local, group=group, config=config, expert_weights=made, joined=joined)
             assert all(torch.equal(a, b) for a, b in zip(ep, again)), "EP run is not repeatable"
         if device == "cuda":  # every rank at once: no host sync in the step, and its CUDA graph replays its bits
             check_sync_free_and_graph_replay(
-                lambda: layer_grads(*local, group=group, config=config, expert_weights=made), ep)
+                lambda: layer_grads(*local, group=group, config=config, expert_weights=made, joined=joined), ep)
         full = layer_grads(x, rw, ids, weights, shared, d_y,
                            config=serval.Config(block_m=block_m, backend=backend, precision=precision))
         y, d_x, d_rw, d_wg, d_wu, d_wd, *d_shared = ep
@@ -273,12 +285,15 @@ def test_ep_rank_that_stops_on_one_gpu(tmp_path, monkeypatch):
 
 
 def run(world_size, tmp_path, kind="random", backend="torch", macrobatch_size=None, device="cpu", num_tokens=N,
-        pull_programs=0, precision="bf16", inter=I, fused=(), quantize_weights_once=False, frozen=False):
+        pull_programs=0, precision="bf16", inter=I, fused=(), quantize_weights_once=False, frozen=False,
+        joined=False):
     """pull_programs: Config.comm_sms_forward and comm_sms_backward in the ranks (the gate/up GEMM and the down
     dgrad pulling their own rows). fused: KernelPlan flags set ("fused_forward", "fused_backward").
-    macrobatch_size: Config.macrobatch_size (the ring's size in tokens)."""
+    macrobatch_size: Config.macrobatch_size (the ring's size in tokens). joined: each rank passes its gate and up
+    weights as one [E_local, 2I, H] tensor (w_up=None), as transformers holds them."""
     mp.spawn(worker, args=(world_size, str(tmp_path / "init"), kind, backend, macrobatch_size, device, num_tokens,
-                           pull_programs, precision, inter, fused, quantize_weights_once, frozen), nprocs=world_size,
+                           pull_programs, precision, inter, fused, quantize_weights_once, frozen, joined),
+             nprocs=world_size,
              join=True)
 
 
@@ -318,6 +333,22 @@ def test_cpu_transport_push_options(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_ep_bitwise_equals_ep1(world_size, tmp_path):
     run(world_size, tmp_path)
+
+
+@pytest.mark.parametrize("precision,inter", [("bf16", I), ("fp8_blockwise", 128)])
+def test_ep_joined_gate_up_weight(precision, inter, tmp_path):
+    """Each rank's gate and up weights as one [E_local, 2I, H] tensor (transformers' gate_up_proj): bitwise EP=1,
+    its gradient one tensor (the torch stages)."""
+    run(2, tmp_path, precision=precision, inter=inter, joined=True)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("variant", ["staged", "fused"])
+def test_ep_joined_gate_up_weight_in_interpreter(variant, tmp_path):
+    """The joined weight read in place by the kernels at EP, through the ring (skewed routing, windows): staged,
+    and both passes fused with pull programs."""
+    run(2, tmp_path, kind="skewed", backend="triton", macrobatch_size=8, pull_programs=2 if variant == "fused" else 0,
+        fused=("fused_forward", "fused_backward") if variant == "fused" else (), joined=True)
 
 
 def test_ep_frozen_experts(tmp_path):
@@ -442,6 +473,18 @@ def test_ep_in_gemm_pulls_on_one_gpu(precision, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     run(2, tmp_path, backend="auto", device="cuda", pull_programs=8, precision=precision,
         inter=128 if precision == "mxfp8" else I)
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision,fused", [("bf16", ()), ("bf16", ("fused_forward", "fused_backward")),
+                                             ("mxfp8", ()), ("fp8_blockwise", ())])
+def test_ep_joined_gate_up_weight_on_one_gpu(precision, fused, tmp_path, monkeypatch):
+    """The joined [E_local, 2I, H] gate/up weight on the CUDA path at EP=2 (symmetric memory, the kernels reading it
+    in place; staged and fused): bitwise equal to EP=1."""
+    monkeypatch.setenv("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    run(2, tmp_path, backend="auto", device="cuda", precision=precision, inter=128, fused=fused,
+        pull_programs=8 if fused else 0, joined=True)
 
 
 @requires_cuda
