@@ -7,9 +7,8 @@ One line switches it on, in either of two places:
 
       --override.imports serval.integrations.torchtitan.serval_routed_experts
 
-  or, with `serval.Config` fields as JSON, `'serval.integrations.torchtitan.serval_routed_experts={"precision":
-  "mxfp8"}'` (in Python: `trainer_config.override.imports.append("serval.integrations.torchtitan.
-  serval_routed_experts")`);
+  (in Python, `trainer_config.override.imports.append(...)` of that name), or with `serval.Config` fields as JSON:
+  `--override.imports 'serval.integrations.torchtitan.serval_routed_experts={"precision": "mxfp8"}'`;
 * on a built model, before torchtitan's parallelize step: `serval.integrations.torchtitan.apply(model, config)`.
 
 Why the override registry and not `comm_backend`: torchtitan picks the token dispatcher by an if/elif over fixed
@@ -25,18 +24,21 @@ Those parameters are serval's `w_gate`, `w_up` and `w_down` as they are (out x i
 torchtitan's: `GroupedExperts` runs its GEMMs in bf16 whatever the parameters' dtype, and its combine scales each
 expert's output by the token's score after the expert (torchtitan 0.3 has no option to scale the input instead),
 so serval gets x and the weights in bf16 (no copy when they are bf16 already, as under FSDP's bf16 mixed
-precision), y = sum_k score_k * expert_k(x), returned in x's dtype. `num_local_tokens_per_expert_E` and any
-padding are torchtitan's dispatcher's business and have no effect on the result.
+precision), y = sum_k score_k * expert_k(x), returned in x's dtype; the two agree to bf16 rounding (serval rounds
+its SwiGLU once and sums a token's k outputs in fp32). `num_local_tokens_per_expert_E` and any padding are
+torchtitan's dispatcher's business and have no effect on the result.
 
 Expert parallelism: torchtitan's parallelize step shards the experts' parameters Shard(0) on the "ep" mesh axis
 (DTensors, or plain local tensors under spmd_backend="spmd_types") and runs `RoutedExperts` as a local region on
 each rank's tokens. `ServalRoutedExperts.parallelize` keeps that and records the "ep" axis's process group in place
 of wiring torchtitan's dispatcher (no all-to-all, no DeepEP / HybridEP buffers: whatever `comm_backend` names is
-never built); the forward calls `serval.moe(..., group=<that group>)` with the rank's local expert weights and the
-router's global expert ids. The Shard(0) layout is serval's: expert e on EP rank e // (E / EP).
+never built, and the Config's `token_dispatcher` is None, so the trainer's CUDA-graph check at EP, which refuses
+dispatchers that sync with the host, has nothing to refuse: serval does not sync); the forward calls
+`serval.moe(..., group=<that group>)` with the rank's local expert weights and the router's global expert ids.
+The Shard(0) layout is serval's: expert e on EP rank e // (E / EP).
 
 Refused with a ValueError naming the reason: tensor parallelism without expert parallelism (torchtitan then shards
-the experts' F and D dimensions over TP: TP inside the experts); experts other than `GroupedExperts` itself
+the experts' F dimension over TP: TP inside the experts); experts other than `GroupedExperts` itself
 (torchtitan's Float8 / MXFP8 grouped-experts converters: use `serval.Config(precision=...)` instead; GPT-OSS's
 experts, with biases and a clamped SwiGLU; the fused_swiglu override's joined `w13`); `apply` after parallelize.
 """
@@ -49,6 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torchtitan.config import derive, override
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 from torchtitan.protocols.module import Module
 
 from ..api import moe
@@ -77,15 +80,17 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 class ServalRoutedExperts(RoutedExperts):
     """torchtitan's routed-experts stage (dispatch, experts, combine) as one `serval.moe` call, with the module's
     own `inner_experts` parameters and, once parallelized with EP, the EP mesh's process group. Its Config is
-    torchtitan's with `serval_config` (the `serval.Config` of every call); its `token_dispatcher` config is not
-    built."""
+    torchtitan's with `serval_config` (the `serval.Config` of every call) and no token dispatcher (None: serval moves
+    the rows, with no host sync, so torchtitan's checks of its dispatchers, e.g. for CUDA graphs at EP, have none
+    to refuse)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
+        token_dispatcher: LocalTokenDispatcher.Config | None = None
         serval_config: ServalConfig = DEFAULT_CONFIG
 
     def __init__(self, config: Config):
-        Module.__init__(self)  # not RoutedExperts.__init__, which builds the token dispatcher serval replaces
+        Module.__init__(self)  # not RoutedExperts.__init__, which builds a token dispatcher
         check_experts(type(config.inner_experts)._owner)
         self.inner_experts = config.inner_experts.build()
         self.serval_config = config.serval_config
@@ -97,8 +102,8 @@ class ServalRoutedExperts(RoutedExperts):
         if parallel_dims.tp_enabled and not parallel_dims.ep_enabled:
             raise ValueError(
                 f"serval does not run tensor parallelism inside the routed experts: tensor_parallel_degree = "
-                f"{parallel_dims.tp} with expert_parallel_degree = 1 shards the experts' F and D dimensions over "
-                "TP; set expert_parallel_degree > 1 (then TP shards the MoE's tokens) or tensor_parallel_degree = 1")
+                f"{parallel_dims.tp} with expert_parallel_degree = 1 shards the experts' F dimension over TP; "
+                "set expert_parallel_degree > 1 (then TP shards the MoE's tokens) or tensor_parallel_degree = 1")
         Module.parallelize(self, parallel_dims)
         ep_mesh = parallel_dims.get_optional_mesh("ep")
         self.ep_group = None if ep_mesh is None else ep_mesh.get_group()
@@ -130,10 +135,11 @@ class ServalRoutedExperts(RoutedExperts):
           description="serval: the routed experts' dispatch, SwiGLU experts and combine in one serval.moe call")
 def serval_routed_experts(config: RoutedExperts.Config, **serval_config_fields) -> ServalRoutedExperts.Config:
     """torchtitan override factory: every `RoutedExperts.Config` of the tree becomes a `ServalRoutedExperts.Config`
-    with `serval.Config(**serval_config_fields)` (the override entry's kwargs). ValueError for experts serval does
-    not compute (`check_experts`), before anything is built."""
+    with `serval.Config(**serval_config_fields)` (the override entry's kwargs) and no token dispatcher. ValueError
+    for experts serval does not compute (`check_experts`), before anything is built."""
     check_experts(type(config.inner_experts)._owner)
-    return derive(config, ServalRoutedExperts.Config, serval_config=ServalConfig(**serval_config_fields))
+    return derive(config, ServalRoutedExperts.Config, token_dispatcher=None,
+                  serval_config=ServalConfig(**serval_config_fields))
 
 
 def apply(model: torch.nn.Module, config: ServalConfig | None = None) -> torch.nn.Module:
@@ -149,6 +155,7 @@ def apply(model: torch.nn.Module, config: ServalConfig | None = None) -> torch.n
         raise ValueError(f"{type(model).__name__} has no torchtitan RoutedExperts module (an MoE layer's "
                          "routed_experts)")
     for name, layer in layers:
+        name = name or type(layer).__name__
         if layer._parallelized:
             raise ValueError(f"{name}: apply(model) must run before torchtitan's parallelize step (the module's "
                              "forward is wrapped there, and the EP group recorded)")
