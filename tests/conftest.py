@@ -15,6 +15,8 @@ import torch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+requires_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                          reason="Triton kernels on CPU tensors need the interpreter")
 
 
 def make_routing(num_tokens, num_experts, top_k, *, kind="random", device="cpu", dtype=torch.float32, seed=0):

@@ -22,12 +22,11 @@ import torch.multiprocessing as mp
 
 import serval
 from serval.plan import choose_plan
-from conftest import CUDA, check_sync_free_and_graph_replay, make_layer, make_routing, rel_err, requires_cuda
+from conftest import (CUDA, check_sync_free_and_graph_replay, make_layer, make_routing, rel_err, requires_cuda,
+                      requires_interpreter)
 
 N, H, I, E, K, SHARED = 24, 32, 16, 8, 2, 16
 SWIGLU_LIMIT = 0.9
-requires_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                          reason="Triton kernels on CPU tensors need the interpreter")
 
 
 def problem(world_size, kind, num_tokens, seed=0, inter=I):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import serval
-from conftest import CUDA, make_layer, make_routing, requires_cuda
+from conftest import CUDA, make_layer, make_routing, requires_cuda, requires_interpreter
 from serval import weight_cache, weight_layout
 from serval.plan import choose_plan
 
@@ -56,10 +56,14 @@ def check_same_bits(joined, separate):
     assert all(torch.equal(a, b) for a, b in zip(grads[:2] + grads[3:], grads_sep[:2] + grads_sep[4:]))
 
 
+def interpreted(*case):
+    return pytest.param("triton", *case, marks=requires_interpreter)
+
+
 @pytest.mark.parametrize("backend,precision,fused", [
-    ("torch", "bf16", False), ("triton", "bf16", False), ("triton", "bf16", True),
-    ("torch", "mxfp8", False), ("triton", "mxfp8", False), ("torch", "fp8_blockwise", False),
-    ("triton", "fp8_blockwise", False)])
+    ("torch", "bf16", False), interpreted("bf16", False), interpreted("bf16", True),
+    ("torch", "mxfp8", False), interpreted("mxfp8", False), ("torch", "fp8_blockwise", False),
+    interpreted("fp8_blockwise", False)])
 def test_joined_weight_gives_the_bits_of_separate_weights(backend, precision, fused):
     dtype = torch.float32 if precision == "bf16" else torch.bfloat16
     config = _config(backend, precision, "cpu", fused)
@@ -69,6 +73,7 @@ def test_joined_weight_gives_the_bits_of_separate_weights(backend, precision, fu
     check_same_bits(*joined_and_separate(config, dtype=dtype, **sizes))
 
 
+@requires_interpreter
 def test_halves_of_one_tensor_are_read_in_place():
     """w_gate and w_up passed as the two halves of one tensor (views with dense rows): the kernels read them in
     place (the expert stride), and the gradients reach the tensor they view."""
