@@ -26,7 +26,7 @@ Correctness first: serval's y and gradients (d_x, d_rw, d_w_gate) against nccl_a
 ||a-b||/||b||, the largest over the ranks; an implementation past --tol is not timed.
 
 serval's forward by stage (stage_ms of its fwd records), the steps of serval.functional.forward one at a time
-through its public pieces (functional.build_ep_schedule, functional.select_backend's stages, the workspace's
+through its public pieces (functional.build_ep_schedule, the pass plan's stages (serval.pass_plan), the workspace's
 transport), CUDA events at the stage boundaries (perf_counter on the CPU), no autograd:
   schedule      functional.build_ep_schedule: all-gather of the routing, the group's schedule, this rank's slice
   dispatch      transport.pull(x, row_source): this rank's experts' rows read from their owners
@@ -86,7 +86,7 @@ from bench_layer import (balanced_routing, env_info, flops, latest, load_records
 from shapes import EP_SHAPES, EP_TINY_SHAPES
 
 import serval
-from serval import functional
+from serval import functional, pass_plan
 from serval.schedule import slot_schedule
 from serval.transport import split_source
 
@@ -193,13 +193,13 @@ def serval_staged_forward(p, topk_ids, workspace, config, clock):
     """serval's EP forward, the steps of functional.forward one stage at a time, clock() called at each
     stage boundary. Returns (y, [(stage, clock value)] starting with ("start", ...))."""
     x, rw, shared = p["x"], p["router_weights"], shared_of(p)
-    ops = functional.select_backend(config, x, p["w_gate"], shared)
-    transport = workspace.transport
+    plan = pass_plan.plan_pass(config, x, p["w_gate"], shared, workspace)
+    ops, transport = plan.ops, workspace.transport
     hidden, num_tokens = x.shape[1], x.shape[0]
     marks = [("start", clock())]
     schedule, _ = functional.build_ep_schedule(topk_ids, rw, workspace)
     marks.append(("schedule", clock()))
-    if ops.pulls_in_gemm:  # the gate/up GEMM's first programs pull its rows from the owners
+    if plan.forward.rows_in == pass_plan.PULLED_BY_GEMM:  # the GEMM's first programs pull its rows
         _, h = transport.pull_into(lambda source: ops.gate_up_swiglu(
             x, p["w_gate"], p["w_up"], schedule, None, pull_from=source, pull_flags=workspace.pull_flags), x)
         marks.append(("dispatch+gate_up", clock()))
@@ -215,7 +215,7 @@ def serval_staged_forward(p, topk_ids, workspace, config, clock):
         _, shared_h = ops.gate_up_swiglu(x, ws_gate, ws_up, shared_schedule, None)
         shared_out = ops.down(shared_h, ws_down, shared_schedule)[:num_tokens]
         marks.append(("shared", clock()))
-    if ops.pushes_from_epilogue:  # the down GEMM's epilogue stores its rows into the owners' slots
+    if plan.forward.rows_out == pass_plan.PUSHED_BY_GEMM:  # the down GEMM's epilogue stores into the owners' slots
         slots = transport.push_from(lambda target: ops.down(h, p["w_down"], schedule, push_to=target), hidden, x.dtype)
     else:
         slots = transport.push(ops.down(h, p["w_down"], schedule), schedule.row_source, complete=True, copy=False)

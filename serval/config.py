@@ -37,8 +37,8 @@ class Config:
         others compute, M-tile by M-tile (the dispatch inside the GEMM, `serval.kernels.in_gemm_pull`; the
         backward's second pull, x's rows for the gate/up weight gradient, stays staged); 0: the transport's
         pull kernel runs before the GEMM (the staged path); None: the kernel plan's choice
-        (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: the forward's staged pull measured
-        faster at EP=2, a measurement to repeat (docs/DESIGN.md); the backward's in-GEMM pull is not measured).
+        (`KernelPlan.pull_programs` / `dgrad_pull_programs`, 0 by default: docs/DESIGN.md says why). Below the
+        GPU's SM count (a ValueError at the call otherwise: the other SMs compute).
         Nothing to move at EP=1, on the torch stages or in a staged fp8_blockwise pass (whose rows are pulled,
         then quantized to E4M3): no effect there. A fused pass (`KernelPlan.fused_forward` / `fused_backward`,
         bf16 or mxfp8) always pulls its own rows: there None and 0 mean `serval.overlap.FUSED_COMM_SMS` (8, the
@@ -110,8 +110,8 @@ class Config:
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("comm_sms_forward", "comm_sms_backward"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= 128):
-                raise ValueError(f"Config.{name} must be None or an int in [0, 128], got {value!r}")
+            if value is not None and (not _is_int(value) or value < 0):  # below the GPU's SMs: checked per call
+                raise ValueError(f"Config.{name} must be None or an int >= 0, got {value!r}")
         if self.minibatch_size is not None and (not _is_int(self.minibatch_size) or self.minibatch_size <= 0
                                                 or self.minibatch_size % self.block_m):
             raise ValueError(

@@ -34,54 +34,29 @@ import torch
 
 from . import precision, stages, weight_layout
 from .ops import dequantize
-from .peers import PeerSlots, PeerTokens
+from .pass_plan import PULLED_BY_GEMM, PassPlan
+from .passes import Routed, RoutedGrads, shared_after_launch
+from .peers import PeerTokens
 from .schedule import Schedule, Window, slot_schedule, windows
 
 
-def streams(ops, recipe, workspace) -> bool:
-    """Whether a pass streams its routed rows through the ring: at EP, in any precision, on stages whose weight
-    gradients take windows, when the ring holds fewer rows than the worst case."""
-    return (workspace is not None and workspace.transport is not None and getattr(ops, "takes_windows", False)
-            and workspace.ring_rows < workspace.capacity_rows)
-
-
-def _fuses(ops, recipe, inter: int, backward: bool) -> bool:
-    return (ops.fuses_backward if backward else ops.fuses_forward) and precision.fuses(recipe, inter, backward)
-
-
-def _pull(source: PeerTokens, row_source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The rows row_source names, from the owners' token buffers, into `out` (a slice of the ring)."""
-    from .transport.symm import pull_rows  # the Triton pull kernel (the interpreter's too, on CPU tables)
-
-    return pull_rows(source.table, row_source, source.num_tokens, source.top_k, source.cols, source.dtype,
-                     aligned=source.aligned, out=out)
-
-
-def _push(rows: torch.Tensor | None, row_source: torch.Tensor, target: PeerSlots) -> None:
-    """Rows a GEMM made (an FP8 GEMM, which does not push from its epilogue) into their owners' slots; None: the
-    GEMM pushed them itself."""
-    from .transport.symm import push_rows  # the Triton push kernel (the interpreter's too, on CPU tables)
-
-    if rows is not None:
-        push_rows(target.table, rows, row_source, target.num_slots, aligned=target.aligned)
-
-
-def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace, shared=None, recipe=None,
-            made=None):
-    """The routed experts of a forward at EP, streamed.
+def forward(plan: PassPlan, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace,
+            shared_launch=None, expert_weights=None) -> Routed:
+    """The routed experts of a forward at EP, streamed, each window staged or fused as plan.forward says.
 
     x [N, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]; schedule: the rank's (worst-case capacity).
-    shared: on stages that fuse the forward (`gate_up_down`), the shared expert's (x, weights, dense schedule),
-    whose tiles join the first window's launch. recipe: None (bf16) or an FP8 recipe, whose GEMMs read `made`
-    (`precision.gemm_weights` with gate_up and down). Returns (what the first window keeps: bf16 its gate_up
-    [window 0's num_packed, 2I], FP8 its `precision.Kept`; this rank's slots [N*k, H] of o once every rank has
-    pushed, their slot schedule, the shared expert's outputs from the first launch or None)."""
+    shared_launch: on a fused pass, the shared expert's (x, weights, dense schedule), whose tiles join the first
+    window's launch. An FP8 recipe's GEMMs read the weights in their form (`precision.gemm_weights`, made once
+    here from expert_weights or the weights)."""
+    ops, recipe, direction = plan.ops, plan.recipe, plan.forward
     transport = workspace.transport
     parts = windows(schedule, workspace.ring_rows)
     first, shared_out = [], [None]
-    fused = _fuses(ops, recipe, w_gate.shape[1], backward=False)
+    fused = direction.fused
+    made = None if recipe is None else precision.gemm_weights(recipe, w_gate, w_up, w_down, expert_weights,
+                                                              ("gate_up", "down"))
     # the launch or the gate/up GEMM pulls x's rows itself, else they are pulled into a ring buffer first
-    gemm_pulls = fused or (ops.pulls_in_gemm if recipe is None else precision.pulls_in_gemm(ops, recipe, False))
+    gemm_pulls = direction.rows_in == PULLED_BY_GEMM
     x_ring = None if gemm_pulls else workspace.ring("x", x)
     quant_block = 0 if recipe is None else recipe.block
     if fused and recipe is not None:  # mxfp8: the launch reads the dequantized weights
@@ -94,7 +69,8 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
                 if fused:  # pull (mxfp8: round-tripped by the pull programs), both GEMMs and push in one launch
                     gate_up, h, _, made_shared = ops.gate_up_down(x, w_gate, w_up, w_down, s, swiglu_limit,
                                                                   pull_from=source, pull_flags=workspace.pull_flags,
-                                                                  push_to=target, shared=None if first else shared,
+                                                                  push_to=target,
+                                                                  shared=None if first else shared_launch,
                                                                   quant_block=quant_block)
                     if not first:
                         shared_out[0] = made_shared
@@ -102,7 +78,7 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
                     continue
                 x_rows, pull = None, dict(pull_from=source, pull_flags=workspace.pull_flags)
                 if not gemm_pulls:
-                    x_rows, pull = _pull(source, s.row_source, x_ring[: s.capacity]), None
+                    x_rows, pull = transport.read_rows(source, s.row_source, x_ring[: s.capacity]), None
                 if recipe is None:
                     gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit,
                                                     **(pull or dict(a_rows=x_rows)))
@@ -112,13 +88,14 @@ def forward(ops, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, work
                 else:  # the recipe's staged experts on the pulled rows (quantized after the pull, or by the pull)
                     o_rows, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, s, swiglu_limit,
                                                      made, push_to=target, keeps=not first, pull=pull)
-                    _push(o_rows, s.row_source, target)
+                    if o_rows is not None:  # an FP8 GEMM, which does not push from its epilogue, made the rows
+                        transport.write_rows(o_rows, s.row_source, target)
                     if not first:
                         first.append(kept)
         transport.pull_into(consume, x)
 
     slots = transport.push_from(write, w_down.shape[1], x.dtype)
-    return first[0], slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), shared_out[0]
+    return Routed(slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), first[0], shared_out[0])
 
 
 def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.Tensor, ...]):
@@ -128,22 +105,27 @@ def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.
     return WgradWindow(window.expert_phase, carries[index % 2], carries[(index + 1) % 2], outs)
 
 
-def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first, w_gate, w_up, w_down,
-             swiglu_limit, workspace, weight_grads: bool, shared=None, recipe=None, made=None):
-    """The routed experts of a backward at EP, streamed (the forward's windows, in the same order).
+def backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, gate_up_first, w_gate, w_up, w_down,
+             swiglu_limit, workspace, weight_grads: bool, shared_d_x=None, shared_launch=None,
+             shared_weight_grads=True, expert_weights=None):
+    """The routed experts of a backward at EP, streamed (the forward's windows, in the same order), each window
+    staged or fused as plan.backward says; returns `serval.passes.RoutedGrads`.
 
     d_y, x [N, H]; row_router_weights: the group's [P*N, k]; gate_up_first: what the forward's first window kept
     (bf16 its pre-activations, FP8 its `precision.Kept`), or None (recomputed, as every later window's are).
-    shared: on stages that fuse the backward, the shared expert's (d_y, weights, dense schedule, gate_up), whose
-    dgrads join the first window's launch. recipe: None (bf16) or an FP8 recipe, whose GEMMs read `made`
-    (`precision.gemm_weights` with gate_up for the recomputation, down_t and gate_up_t). Returns (this rank's
-    slots [N*k, H] of d_x once every rank has pushed, their slot schedule, d_rw_rows fp32 [capacity], d_w_gate,
-    d_w_up, d_w_down, the shared expert's dgrads from the first launch or None; the weight gradients None without
-    weight_grads)."""
+    shared_d_x: the shared expert's d_x, added in the slot sums. shared_launch: on a fused pass, the shared
+    expert's (d_y, weights, dense schedule, gate_up), whose dgrads join the first window's launch (the rest of its
+    backward: `serval.passes.shared_after_launch`). An FP8 recipe's GEMMs read the weights in their form (gate_up
+    for the recomputation, down_t and gate_up_t), made once here. The weight gradients None without
+    weight_grads."""
+    ops, recipe, direction = plan.ops, plan.recipe, plan.backward
     transport = workspace.transport
     parts = windows(schedule, workspace.ring_rows)
     num_experts, inter, hidden = w_gate.shape
-    fused = _fuses(ops, recipe, inter, backward=True)
+    fused = direction.fused
+    # the gate/up weights in the forward's form too: the later windows recompute the pre-activations
+    made = None if recipe is None else precision.gemm_weights(recipe, w_gate, w_up, w_down, expert_weights,
+                                                              ("gate_up", "down_t", "gate_up_t"))
     x_ring, d_y_ring = workspace.ring("x", x), workspace.ring("d_y", d_y)
     d_rw_rows = torch.empty(schedule.capacity, dtype=torch.float32, device=x.device)
     d_w_gate = d_w_up = d_w_down = None
@@ -156,7 +138,7 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
 
     def step(index: int, window: Window, d_y_source: PeerTokens, x_source: PeerTokens, target):
         s = window.schedule
-        x_rows = _pull(x_source, s.row_source, x_ring[: s.capacity])
+        x_rows = transport.read_rows(x_source, s.row_source, x_ring[: s.capacity])
         kept = gate_up_first if index == 0 else None
         if kept is None and recipe is None:  # recomputed from the re-pulled rows
             kept, _ = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit, a_rows=x_rows)
@@ -168,31 +150,27 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
                              _carry(window, index, carry_gate_up, (d_w_gate, d_w_up)))
         d_y_rows = d_y_ring[: s.capacity]
         pull = dict(pull_from=d_y_source, pull_flags=workspace.pull_flags)
+        if direction.rows_in != PULLED_BY_GEMM:  # d_y's rows into the ring first
+            transport.read_rows(d_y_source, s.row_source, d_y_rows)
+            pull = {}
         if fused:  # pull of d_y (mxfp8: round-tripped by the pull programs), both dgrads and push of d_x in one launch
             down_t, gate_t, up_t = (w_down, w_gate, w_up) if recipe is None else (made.down_t, *made.gate_up_t)
             d_gate_up, h_weighted, d_rw, _, made_shared = ops.down_dgrad_gate_up_dgrad(
                 d_y_rows, down_t, gate_t, up_t, kept if recipe is None else dequantize(kept.gate_up, x.dtype),
-                row_router_weights, s, swiglu_limit, push_to=target, shared=None if index else shared,
+                row_router_weights, s, swiglu_limit, push_to=target, shared=None if index else shared_launch,
                 quant_block=0 if recipe is None else recipe.block, **pull)
             if index == 0:
                 shared_out[0] = made_shared
         elif recipe is None:
-            if not ops.pulls_in_dgrad:
-                _pull(d_y_source, s.row_source, d_y_rows)
-                pull = {}
             d_gate_up, h_weighted, d_rw = ops.down_dgrad_swiglu(d_y_rows, w_down, kept, row_router_weights, s,
                                                                 swiglu_limit, **pull)
             ops.gate_up_dgrad(d_gate_up, w_gate, w_up, s, push_to=target)
         else:  # the recipe's staged backward on the pulled rows, its weight gradients window by window
-            d_y_pull = None
-            if precision.pulls_in_gemm(ops, recipe, backward=True):  # the down dgrad pulls d_y's rows
-                d_y_pull = pull
-            else:
-                _pull(d_y_source, s.row_source, d_y_rows)
             d_x_rows, d_rw, *_ = precision.backward(ops, recipe, d_y, d_y_rows, x, x_rows, kept, row_router_weights,
                                                     w_gate, w_up, w_down, s, swiglu_limit, made, weight_grads,
-                                                    push_to=target, windows=wgrad_windows, d_y_pull=d_y_pull)
-            _push(d_x_rows, s.row_source, target)
+                                                    push_to=target, windows=wgrad_windows, d_y_pull=pull or None)
+            if d_x_rows is not None:  # an FP8 GEMM, which does not push from its epilogue, made the rows
+                transport.write_rows(d_x_rows, s.row_source, target)
         d_rw_rows[window.start: window.start + s.capacity] = d_rw
         if wgrad_windows is not None and recipe is None:
             ops.down_weight_grad(d_y_rows, h_weighted, s, window=wgrad_windows[0])
@@ -211,5 +189,8 @@ def backward(ops, d_y, x, row_router_weights, schedule: Schedule, gate_up_first,
         transport.pull_into(with_d_y, d_y)
 
     slots = transport.push_from(write, hidden, d_y.dtype)
-    return (slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), d_rw_rows,
-            d_w_gate, d_w_up, d_w_down, shared_out[0])
+    shared_grads = None
+    if shared_out[0] is not None:
+        shared_d_x, shared_grads = shared_after_launch(ops, x, shared_out[0], shared_launch[4], shared_weight_grads)
+    d_x = ops.sum_slots(slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), shared_d_x)
+    return RoutedGrads(d_x, d_rw_rows, d_w_gate, d_w_up, d_w_down, shared_grads)

@@ -41,6 +41,12 @@ class PeerSlots(NamedTuple):
     aligned: bool
 
 
+def push_keywords(target: PeerSlots | None) -> dict:
+    """The push_to keyword of a stage GEMM that writes its rows into the owners' slots (`target`), none where it
+    stores them (the torch stages take no push_to)."""
+    return {} if target is None else {"push_to": target}
+
+
 @triton.jit
 def peer_rows(table_ptr, source, valid, slots_per_rank, row_elements, top_k,
               BY_TOKEN: tl.constexpr, ALIGNED: tl.constexpr, DTYPE: tl.constexpr):

@@ -57,6 +57,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from . import stages, weight_layout
+from .peers import push_keywords
 from .ops import QuantizedTensor, dequantize, quantize
 from .schedule import Schedule
 
@@ -283,14 +284,6 @@ def _row_slice(q: QuantizedTensor, start: int, length: int) -> QuantizedTensor:
     return q._replace(data=q.data.narrow(0, start, length), scale=q.scale.narrow(0, start, length))
 
 
-def fuses(recipe: Recipe | None, inter: int, backward: bool) -> bool:
-    """Whether a pass in this precision (None: bf16) can run as one fused launch: bf16; mxfp8, whose backward's
-    d_gate_up blocks along 2I must not straddle its halves (I a multiple of the block)."""
-    if recipe is None:
-        return True
-    return recipe.fused_passes and not (backward and inter % recipe.block)
-
-
 def dequantized_weights(recipe: Recipe, w_gate, w_up, w_down, made: ExpertWeights | None, backward: bool):
     """The weights as a recipe whose GEMMs run in BF16 (mxfp8) reads them, made or quantized here: forward
     (w_gate, w_up, w_down), backward (w_down, w_gate, w_up), each quantized along its GEMM's K."""
@@ -302,7 +295,7 @@ def dequantized_weights(recipe: Recipe, w_gate, w_up, w_down, made: ExpertWeight
 
 
 def fused_forward_operands(recipe: Recipe, x, w_gate, w_up, w_down, made: ExpertWeights | None, at_ep: bool):
-    """A fused forward's operands (`fuses`): the tokens the launch reads, and w_gate, w_up, w_down as the forward
+    """A fused forward's operands (a fused pass): the tokens the launch reads, and w_gate, w_up, w_down as the forward
     GEMMs read them (`dequantized_weights`). At EP=1 the tokens x [N, H] quantized along H and dequantized, whose
     gathered rows are, bit for bit, the staged path's (row blocks); at EP x itself: the launch's pull programs
     round-trip each row they pull (`fused_pass` quant_block)."""
@@ -317,7 +310,7 @@ def keep(recipe: Recipe, gate_up, h) -> Kept:
 
 def fused_backward_operands(recipe: Recipe, d_y, kept: Kept, w_gate, w_up, w_down, made: ExpertWeights | None,
                             at_ep: bool):
-    """A fused backward's operands (`fuses`): the tokens the launch reads (d_y [N, H] as `fused_forward_operands`
+    """A fused backward's operands (a fused pass): the tokens the launch reads (d_y [N, H] as `fused_forward_operands`
     takes x), w_down, w_gate, w_up as the dgrads read them, and the kept pre-activations dequantized."""
     return (d_y if at_ep else recipe.rows(d_y)[1],
             *dequantized_weights(recipe, w_gate, w_up, w_down, made, backward=True),
@@ -333,7 +326,7 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     GEMMs' form (`expert_weights` or `gemm_weights`), else they are quantized here. push_to: the owners' slots
     (`serval.peers.PeerSlots`), where a down GEMM that can (on BF16 engines: mxfp8) writes o's rows from its
     epilogue, returning None for o; an FP8 GEMM returns them for the caller to push. keeps False: Kept is None
-    and not made (a later window of the macrobatch ring, whose backward recomputes it). pull (`pulls_in_gemm`):
+    and not made (a later window of the macrobatch ring, whose backward recomputes it). pull (the GEMM pulls):
     the gate/up stage's pull_from and pull_flags: at EP its GEMM pulls x's rows itself (x_rows None), round-trips
     them and computes on them as they arrive."""
     made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("gate_up",) if w_down is None else ("gate_up", "down"))
@@ -356,19 +349,7 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
         return None, kept
     if recipe.fp8_gemm:
         return ops.fp8_grouped_gemm(h_q, made.down, schedule), kept
-    return ops.down(recipe.rows(h)[1], made.down, schedule, **_push(push_to)), kept
-
-
-def pulls_in_gemm(ops, recipe: Recipe, backward: bool) -> bool:
-    """Whether a staged pass's first GEMM pulls its own rows at EP (x's forward, d_y's backward): on stages whose
-    GEMM does (`Config.comm_sms_forward` / `comm_sms_backward`), for a recipe whose GEMMs run on the BF16 engines
-    (mxfp8: the pull programs round-trip the rows they pull); fp8_blockwise's rows are pulled, then quantized."""
-    return not recipe.fp8_gemm and (ops.pulls_in_dgrad if backward else ops.pulls_in_gemm)
-
-
-def _push(push_to) -> dict:
-    """The push_to keyword of a stage GEMM, only where there is a push (the torch stages take none)."""
-    return {} if push_to is None else {"push_to": push_to}
+    return ops.down(recipe.rows(h)[1], made.down, schedule, **push_keywords(push_to)), kept
 
 
 def _rows_quantized(tokens, rows, schedule: Schedule, quantize_along):
@@ -387,7 +368,7 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     group's router weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up,
     d_w_down). made: as in `forward`. weight_grads False: the weight gradients are None (none of their
     quantizations or GEMMs run). push_to: as in `forward`, for d_x's rows. windows: the macrobatch ring's
-    (`expert_weight_grads`). d_y_pull (`pulls_in_gemm`): the down dgrad's pull_from and pull_flags: at EP it pulls
+    (`expert_weight_grads`). d_y_pull (the GEMM pulls): the down dgrad's pull_from and pull_flags: at EP it pulls
     d_y's rows itself, into d_y_rows (an empty [R, H] buffer: the rows as pulled, for the weight gradients) and
     round-tripped into the rows it reads."""
     dtype = x.dtype
@@ -414,7 +395,7 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         del d_gate_up_q
     else:
         d_gate_up_deq = recipe.rows(d_gate_up)[1]
-        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, *made.gate_up_t, schedule, **_push(push_to))
+        d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, *made.gate_up_t, schedule, **push_keywords(push_to))
         del d_gate_up_deq
     if not weight_grads:
         return d_x_rows, d_rw_rows, None, None, None

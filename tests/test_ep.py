@@ -440,7 +440,7 @@ def group_freed_worker(rank, world_size, init_file):
                 group=group(), config=serval.Config(block_m=16, backend="torch"))
     dist.barrier()
     dist.destroy_process_group()
-    serval.functional._release_workspaces()  # what the exit hook does
+    serval.workspace._release_workspaces()  # what the exit hook does
     gc.collect()
     assert group() is None, "the process group outlived destroy_process_group"
 

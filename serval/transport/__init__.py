@@ -71,6 +71,14 @@ class Transport(Protocol):
         role: which token buffers: two pulls of the same shape that are open at once (one consumer inside the
         other's) need different roles."""
 
+    def read_rows(self, source: PeerTokens, row_source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Inside `pull_into`'s consume: the rows row_source [R] names, read from the owners' token buffers
+        (`source`) into `out` [R, C] (a slice of the macrobatch ring); returns out."""
+
+    def write_rows(self, rows: torch.Tensor, row_source: torch.Tensor, target: PeerSlots) -> None:
+        """Inside `push_from`'s write: rows [R, C] written into their owners' slots (`target`); rows whose
+        source is -1 write nothing."""
+
     def push_from(self, write: Callable[[PeerSlots], None], cols: int, dtype: torch.dtype) -> torch.Tensor:
         """push(complete=True, copy=False) for a producer that writes the rows itself: once every owner is
         done with its slots, write(PeerSlots) writes every (token, slot) of the group exactly once, into

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import PeerSlots, PeerTokens, split_source
+from .symm import pull_rows, push_rows
 
 SHM_DIR = "/dev/shm"
 
@@ -130,6 +131,16 @@ class SharedMemoryTransport:
 
         slots = self.push_from(write, rows.shape[1], rows.dtype)
         return slots.clone() if copy else slots
+
+    def read_rows(self, source: PeerTokens, row_source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """See `serval.transport.Transport.read_rows`: the CUDA transport's pull kernel, here in the Triton
+        interpreter through this process's mappings (the kernels that take windows run only there on CPU)."""
+        return pull_rows(source.table, row_source, source.num_tokens, source.top_k, source.cols, source.dtype,
+                         aligned=source.aligned, out=out)
+
+    def write_rows(self, rows: torch.Tensor, row_source: torch.Tensor, target: PeerSlots) -> None:
+        """See `serval.transport.Transport.write_rows`: the CUDA transport's push kernel, as `read_rows`."""
+        push_rows(target.table, rows, row_source, target.num_slots, aligned=target.aligned)
 
     def push_from(self, write, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """See `serval.transport.Transport.push_from`; the table holds this process's mappings of the peers'

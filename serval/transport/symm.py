@@ -287,6 +287,15 @@ class SymmetricMemoryTransport:
                                                         aligned=target.aligned), cols, rows.dtype)
         return slots.clone() if copy else slots
 
+    def read_rows(self, source: PeerTokens, row_source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """See `serval.transport.Transport.read_rows` (the pull kernel)."""
+        return pull_rows(source.table, row_source, source.num_tokens, source.top_k, source.cols, source.dtype,
+                         aligned=source.aligned, out=out)
+
+    def write_rows(self, rows: torch.Tensor, row_source: torch.Tensor, target: PeerSlots) -> None:
+        """See `serval.transport.Transport.write_rows` (the push kernel)."""
+        push_rows(target.table, rows, row_source, target.num_slots, aligned=target.aligned)
+
     def push_from(self, write, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """See `serval.transport.Transport.push_from`: write(PeerSlots) runs between the two barriers."""
         num_slots = self.num_tokens * self.top_k
