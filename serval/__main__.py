@@ -3,18 +3,26 @@
 The task is distillation: a frozen random "teacher" MoE block maps random tokens
 to targets, and a student serval.MoE (router, routed experts, shared expert)
 learns to imitate it with AdamW. Runs on the default device: CUDA (bf16, the
-Triton kernels) where present, else CPU (fp32, the torch-op path).
+Triton kernels) where present, else CPU (fp32, the torch-op path; bf16 with an FP8 --precision).
+
+Exit codes: 0 the two runs are bitwise identical (and an FP8 run's loss is within its band of the bf16 run's);
+1 they differ (or the FP8 loss is outside the band); 2 a bad option, or more memory than the device has;
+3 the two runs are bitwise identical but training diverged (a loss that is not finite: try a smaller --lr).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import sys
 import time
 
 import torch
 
 import serval
 from serval import precision
+from serval.schedule import capacity_rows
 
 
 def train(args, device, dtype, precision="bf16") -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -47,12 +55,35 @@ def train(args, device, dtype, precision="bf16") -> tuple[list[float], dict[str,
 LOSS_BAND = 0.10
 
 
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+EXIT_DIFFERENT, EXIT_RESOURCES, EXIT_DIVERGED = 1, 2, 3
+
+
+def demo_dtype(args) -> torch.dtype:
+    """The dtype of the demo's weights and activations: bf16 on CUDA, and on the CPU with an FP8 precision (the FP8
+    precisions quantize bf16 activations); else fp32."""
+    return torch.bfloat16 if args.device.startswith("cuda") or args.precision != "bf16" else torch.float32
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same bits (NaNs included, which == and torch.equal call different)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def same_loss_bits(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and same_bits(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+
+
 def demo(args) -> int:
     device = args.device
     low_precision = args.precision != "bf16"
-    # the FP8 precisions quantize bf16 activations, so they train in bf16 on the CPU too
-    dtype = torch.bfloat16 if device.startswith("cuda") or low_precision else torch.float32
-    print(f"serval {serval.__version__} demo on {device} ({dtype}, routed experts in {args.precision}): distil a "
+    dtype = demo_dtype(args)
+    # the routed experts run in the precision's FP8 GEMMs, or else in the block's dtype
+    experts = args.precision if low_precision else SHORT_NAMES[dtype]
+    print(f"serval {serval.__version__} demo on {device} ({SHORT_NAMES[dtype]} weights and activations, routed "
+          f"experts in {experts}): distil a "
           f"random teacher MoE into a student (H={args.hidden}, I={args.inter}, E={args.experts}, top-{args.top_k}, "
           f"shared expert, {args.tokens} tokens/step, {args.steps} steps), twice"
           + (", and once in bf16 to compare" if low_precision else ""))
@@ -61,11 +92,18 @@ def demo(args) -> int:
         print(f"run {run}:")
         runs.append(train(args, device, dtype, args.precision))
     (losses_a, weights_a), (losses_b, weights_b) = runs
-    same_losses = losses_a == losses_b
-    same_weights = all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    same_losses = same_loss_bits(losses_a, losses_b)
+    same_weights = weights_a.keys() == weights_b.keys() and all(same_bits(weights_a[k], weights_b[k])
+                                                                 for k in weights_a)
     print(f"loss: {losses_a[0]:.6f} -> {losses_a[-1]:.6f}")
     print(f"bitwise identical across the two runs: losses {'yes' if same_losses else 'NO'}, "
           f"trained weights {'yes' if same_weights else 'NO'}")
+    diverged = [step for step, losses in enumerate(zip(losses_a, losses_b), 1)
+                if not all(math.isfinite(loss) for loss in losses)]
+    if diverged:
+        print(f"training diverged: the loss is not finite from step {diverged[0]} (--lr {args.lr:g} is too large for "
+              f"this block: try a smaller one)" + ("; no comparison with bf16" if low_precision else ""))
+        return EXIT_DIFFERENT if not (same_losses and same_weights) else EXIT_DIVERGED
     in_band = True
     if low_precision:
         print("bf16 run:")
@@ -75,7 +113,76 @@ def demo(args) -> int:
         print(f"loss {args.precision} vs bf16: {losses_a[-1]:.6f} vs {losses_bf16[-1]:.6f} at the last step; "
               f"largest gap {gap:.1%} of the bf16 loss over all steps, band {LOSS_BAND:.0%}: "
               f"{'within' if in_band else 'OUTSIDE'}")
-    return 0 if same_losses and same_weights and in_band else 1
+    return 0 if same_losses and same_weights and in_band else EXIT_DIFFERENT
+
+
+GIB = 2 ** 30
+
+
+def demo_memory_bytes(args) -> int:
+    """A conservative upper estimate of the memory the demo allocates, from its sizes: every tensor of the
+    weights (teacher and student), the student's gradients, AdamW's two states, the two runs' kept copies and
+    room for temporaries of the weights' size; and the activations of a step's forward and backward through both
+    blocks (the routed rows padded to whole block_m segments), in fp32, with room for their temporaries."""
+    element = demo_dtype(args).itemsize
+    hidden, inter, experts = args.hidden, args.inter, args.experts
+    params = experts * 3 * inter * hidden + experts * hidden + 3 * inter * hidden  # experts, router, shared
+    # teacher, student, grads, 2 AdamW states, 2 kept copies; 6 fp32 temporaries (casts, FP8 quantization)
+    weights = params * (7 * element + 6 * 4)
+    rows = capacity_rows(args.tokens * args.top_k, experts, serval.Config().block_m)
+    per_block = 2 * args.tokens * hidden + rows * (2 * hidden + 3 * inter) + 3 * args.tokens * inter
+    activations = 4 * 2 * 4 * per_block  # fp32, two blocks, forward + backward and temporaries
+    return weights + activations + experts * rows  # + the schedule's [E, R] row masks
+
+
+def _cgroup_available() -> int | None:
+    """Bytes this process's cgroup (v2) still allows, where it sets a limit: the limit less what the cgroup
+    uses, its inactive page cache (which the kernel reclaims) not counted."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit_file:
+            limit = limit_file.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as current_file:
+            used = int(current_file.read())
+        with open("/sys/fs/cgroup/memory.stat") as stat_file:
+            stats = dict(line.split() for line in stat_file if line.count(" ") == 1)
+        return int(limit) - used + int(stats.get("inactive_file", 0))
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory_bytes(device: str) -> int | None:
+    """Memory the device can still give: CUDA's free memory; on the CPU, MemAvailable (/proc/meminfo, else the
+    free physical pages), capped by the cgroup's limit. None where it cannot be read."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            pass
+    cgroup = _cgroup_available()
+    if cgroup is not None:
+        available = cgroup if available is None else min(available, cgroup)
+    return available
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether error is an allocator's failure (torch's OutOfMemoryError, or the CPU allocator's RuntimeError)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in (
+        "can't allocate memory", "out of memory", "not enough memory", "Out of memory"))
 
 
 def _int_at_least(minimum: int, expected: str):
@@ -137,10 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to run")
     p = sub.add_parser("demo", help="train a small MoE block twice; check bitwise-identical runs",
                        description="Train a small MoE block twice (distilling a random teacher) and check that "
-                                   "the two runs give bitwise-identical losses and weights.",
+                                   "the two runs give bitwise-identical losses and weights. Exit code 0: "
+                                   "identical; 1: they differ (or an FP8 loss is outside its band of the bf16 "
+                                   "loss); 2: a bad option, or the demo needs more memory than the device has; "
+                                   "3: identical, but training diverged (a loss that is not finite).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where to train: cpu, cuda or cuda:<index> (bf16 on CUDA, fp32 on CPU)")
+                   help="where to train: cpu, cuda or cuda:<index> (bf16 on CUDA; fp32 on CPU, bf16 with an FP8 "
+                        "--precision)")
     p.add_argument("--steps", type=_positive_int, default=120, help="optimizer steps per run")
     p.add_argument("--tokens", type=_positive_int, default=256, help="tokens per step")
     p.add_argument("--hidden", type=_positive_int, default=64, help="hidden size H")
@@ -168,7 +279,21 @@ def main(argv=None) -> int:
             precision.check_sizes(recipe, args.inter, serval.Config().block_m)
         except ValueError as error:
             args.subparser.error(f"argument --inter: {error}")
-    return demo(args)
+    needed, available = demo_memory_bytes(args), available_memory_bytes(args.device)
+    if available is not None and needed > available:
+        args.subparser.exit(EXIT_RESOURCES, f"{args.subparser.prog}: error: the demo needs up to "
+                                            f"{needed / GIB:,.1f} GiB (weights, gradients, optimizer state, "
+                                            f"activations) and {args.device} has {available / GIB:,.1f} GiB "
+                                            "available: use smaller --hidden, --inter, --experts or --tokens\n")
+    try:
+        return demo(args)
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not _out_of_memory(error):
+            raise
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"{args.subparser.prog}: error: out of memory on {args.device} ({first_line}): use smaller --hidden, "
+              f"--inter, --experts or --tokens", file=sys.stderr)
+        return EXIT_RESOURCES
 
 
 if __name__ == "__main__":

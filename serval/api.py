@@ -166,14 +166,25 @@ def _error_flags(device: torch.device) -> ErrorFlags:
     return _ERROR_FLAGS[device]
 
 
-def _expert_ids_error(num_experts: int, ep_size: int, earlier: bool) -> ValueError:
+_SHOWN_IDS = 8  # the out-of-range ids a host check's error names
+
+
+def _expert_ids_error(num_experts: int, ep_size: int, earlier: bool, bad: Tensor | None = None) -> ValueError:
+    """The error of out-of-range expert ids; bad: those ids (read on the host), which the message names."""
     where = "" if ep_size == 1 else " (on at least one rank of the EP group)"
     if earlier:
         return ValueError(
             f"serval.moe: topk_ids must hold expert ids in [0, E) (E: the layer's number of experts), but ids "
             f"outside were passed{where} in an earlier step; that step's y, d_x and expert weight gradients are "
             "NaN (Config(debug=True) raises in the call itself, at the cost of a host sync)")
-    return ValueError(f"serval.moe: topk_ids must hold expert ids in [0, {num_experts}){where}")
+    got = ""
+    if bad is not None and bad.numel():
+        values = bad.unique().tolist()  # sorted
+        shown = ", ".join(map(str, values[:_SHOWN_IDS]))
+        if len(values) > _SHOWN_IDS:
+            shown += f", ... (from {values[0]} to {values[-1]})"
+        got = f", got {bad.numel()} id(s) outside it: {shown}"
+    return ValueError(f"serval.moe: topk_ids must hold expert ids in [0, {num_experts}){where}{got}")
 
 
 def _report_earlier_errors(flags: ErrorFlags | None, ep_size: int) -> None:
@@ -194,9 +205,10 @@ def _clamp_ids(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
 
 
 def check_expert_ids(topk_ids: Tensor, num_experts: int, ep_size: int = 1) -> None:
-    """ValueError unless topk_ids holds expert ids in [0, num_experts) (a host check: syncs on CUDA)."""
+    """ValueError naming the ids outside [0, num_experts) unless there are none (a host check: syncs on CUDA)."""
     if bool(_out_of_range(topk_ids, num_experts)):
-        raise _expert_ids_error(num_experts, ep_size, earlier=False)
+        bad = topk_ids[(topk_ids < 0) | (topk_ids >= num_experts)]
+        raise _expert_ids_error(num_experts, ep_size, earlier=False, bad=bad)
 
 
 # ---------------------------------------------------------------- custom ops

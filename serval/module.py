@@ -34,8 +34,9 @@ def _without_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False) if _autocast_enabled(device_type) else contextlib.nullcontext()
 
 
-ACCEPTED_INPUTS = ("x in the module's dtype (bf16, fp32 or fp64), or x of any float dtype under "
-                   "torch.autocast(device_type, dtype=torch.bfloat16)")
+AUTOCAST_INPUTS = "x of any float dtype under torch.autocast(device_type, dtype=torch.bfloat16)"
+ACCEPTED_INPUTS = f"x in the module's dtype (bf16, fp32 or fp64), or {AUTOCAST_INPUTS}"
+FP8_ACCEPTED_INPUTS = f"bf16 x with bf16 parameters, or {AUTOCAST_INPUTS}"  # an FP8 precision quantizes bf16
 
 
 class MoE(nn.Module):
@@ -63,7 +64,8 @@ class MoE(nn.Module):
         swiglu_limit: clamp inside every SwiGLU (routed and shared): gate at most limit, up within +-limit; None: off.
         config: the `serval.Config` of the routed experts (kernels, precision, EP knobs); None: `serval.Config()`.
         group: the expert-parallel process group (None: every expert on this rank).
-        device, dtype: of the parameters (dtype: bf16, fp32 or fp64).
+        device, dtype: of the parameters (dtype: bf16, fp32 or fp64; an FP8 `config.precision` computes in bf16:
+            bf16 parameters, or others under torch.autocast(device_type, dtype=torch.bfloat16)).
 
     forward(x) returns y; forward(x, return_router_output=True) returns (y, `serval.routing.RouterOutput`) for the
     trainer: the router logits for `serval.routing.load_balancing_loss`, the weights and ids, the tokens per
@@ -212,11 +214,17 @@ class MoE(nn.Module):
             if not x.is_floating_point():
                 raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
             return dtype
+        fp8 = precision.recipe_of(self.config.precision) is not None
+        if fp8 and weight.dtype != torch.bfloat16:
+            raise TypeError(f"serval.MoE with precision={self.config.precision!r} takes {FP8_ACCEPTED_INPUTS}; its "
+                            f"parameters are {weight.dtype}: convert the module with .bfloat16() and x with "
+                            f"x.to(torch.bfloat16), or call it under torch.autocast(device_type, dtype=torch.bfloat16)")
         if x.dtype != weight.dtype:
-            # the module's dtype may change only to one serval computes in; else x must change (or autocast)
-            module_advice = f", or the module with .to({x.dtype})" if x.dtype in FLOAT_DTYPES else ""
+            # the module's dtype may change only to one it computes in; else x must change (or autocast)
+            module_advice = f", or the module with .to({x.dtype})" if x.dtype in FLOAT_DTYPES and not fp8 else ""
             raise TypeError(f"x must have the dtype of the module's parameters ({weight.dtype}), got {x.dtype}: "
-                            f"serval.MoE takes {ACCEPTED_INPUTS}; convert x with x.to({weight.dtype}){module_advice}")
+                            f"serval.MoE takes {FP8_ACCEPTED_INPUTS if fp8 else ACCEPTED_INPUTS}; convert x with "
+                            f"x.to({weight.dtype}){module_advice}")
         return weight.dtype
 
     def extra_repr(self) -> str:

@@ -289,8 +289,19 @@ def test_expert_ids_out_of_range_without_host_check(monkeypatch, bad):
 def test_expert_ids_debug_raises_at_once(monkeypatch):
     monkeypatch.setattr(api, "_checks_on_host", lambda device, debug: debug)
     inputs = layer_inputs()
-    with pytest.raises(ValueError, match=r"^serval.moe: topk_ids must hold expert ids in \[0, 4\)$"):
+    with pytest.raises(ValueError, match=r"^serval.moe: topk_ids must hold expert ids in \[0, 4\), got 16 id\(s\) "
+                                         r"outside it: 4, 5, 6, 7$"):
         call({**inputs, "topk_ids": inputs["topk_ids"] + E}, config=serval.Config(debug=True))
+
+
+def test_expert_ids_error_names_the_bad_values():
+    """The CPU check names the ids outside [0, E): the first few, then the range."""
+    inputs = layer_inputs()
+    ids = 100 + torch.arange(inputs["topk_ids"].numel()).view_as(inputs["topk_ids"])
+    assert ids.numel() > 8
+    with pytest.raises(ValueError, match=rf"got {ids.numel()} id\(s\) outside it: 100, 101, 102, 103, 104, 105, 106, "
+                                         rf"107, \.\.\. \(from 100 to {99 + ids.numel()}\)$"):
+        call({**inputs, "topk_ids": ids})
 
 
 @requires_cuda
