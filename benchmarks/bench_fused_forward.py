@@ -6,7 +6,7 @@ For each shape of benchmarks/shapes.py (bench_layer.make_inputs: bf16, balanced 
   staged          serval.kernels.triton_gemm.gate_up_swiglu, then triton_gemm.down (the Triton engine, the plan's
                   gate_up_tiles and down_tiles)
   fused MB        serval.kernels.fused_forward.fused_forward with the same tiles, minibatch MB rows: "mok" (None:
-                  MoK's rule, serval.overlap.layer_minibatch_rows on all SMs), a number of rows, or "all" (one
+                  MoK's rule, serval.plan.minibatch_rows on all SMs), a number of rows, or "all" (one
                   minibatch: every gate/up tile before any down tile)
 
 The plan is serval.plan.choose_plan's for the shape (its Triton tiles and use_tma; the Gluon engines the layer may
@@ -38,9 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_layer  # noqa: E402  (puts this checkout's serval first on the path; without a GPU, TRITON_INTERPRET=1)
 from shapes import SHAPES, TINY_SHAPES  # noqa: E402
 
-from serval.kernels import common, fused_pass as ff, rows, triton_gemm  # noqa: E402
+from serval.kernels import common, fused_launch, rows, task_order, triton_gemm  # noqa: E402
 from serval.plan import TileConfig, choose_plan  # noqa: E402
 from serval.schedule import build_schedule  # noqa: E402
+from serval.values import new_sync  # noqa: E402
 
 SWIGLU_LIMIT = None
 
@@ -113,15 +114,15 @@ def main():
         a_rows, (w_gate, w_up, w_down), schedule, gu_tiles, dn_tiles, use_tma = setup(shape, device, args.tiny)
         flops = bench_layer.flops(shape, "routed", "fwd")
         block_m = min(gu_tiles.block_m, schedule.block_m)
-        sync = ff.new_sync(schedule.capacity // block_m, device)
+        sync = new_sync(schedule.capacity // block_m, device)
 
         def staged():
             gate_up, h = triton_gemm.gate_up_swiglu(a_rows, w_gate, w_up, schedule, SWIGLU_LIMIT, gu_tiles, use_tma)
             return gate_up, h, triton_gemm.down(h, w_down, schedule, dn_tiles, use_tma)
 
         def fused(minibatch_rows):
-            return ff.fused_forward(a_rows, w_gate, w_up, w_down, schedule, SWIGLU_LIMIT, gu_tiles, dn_tiles, use_tma,
-                                    minibatch_rows, sync)[:3]
+            return fused_launch.fused_forward(a_rows, w_gate, w_up, w_down, schedule, SWIGLU_LIMIT, gu_tiles, dn_tiles,
+                                              use_tma, minibatch_rows, sync)[:3]
 
         want = staged()
         base = dict(shape=name, gather="excluded", error=None, **info)
@@ -130,9 +131,9 @@ def main():
                         bitwise_equal=True)]
         for text in minibatches:
             minibatch_rows = parse_minibatch(text)
-            resolved = block_m * ff.minibatch_m_tiles(minibatch_rows, shape.hidden, shape.inter, block_m,
-                                                      schedule.capacity // block_m, gu_tiles.block_n,
-                                                      dn_tiles.block_n, device)
+            resolved = block_m * task_order.minibatch_m_tiles(
+                minibatch_rows, shape.hidden, shape.inter, block_m, schedule.capacity // block_m, gu_tiles.block_n,
+                dn_tiles.block_n, gu_tiles.group_m, common.num_sms(device.index if device.type == "cuda" else None))[0]
             record = dict(base, impl="fused", minibatch=text, minibatch_rows=resolved, ms=None, tflops=None)
             record["bitwise_equal"] = equal = bitwise_equal(fused(minibatch_rows), want, schedule)
             if equal:

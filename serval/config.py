@@ -41,14 +41,14 @@ class Config:
         GPU's SM count (a ValueError at the call otherwise: the other SMs compute).
         Nothing to move at EP=1, on the torch stages or in a staged fp8_blockwise pass (whose rows are pulled,
         then quantized to E4M3): no effect there. A fused pass (`KernelPlan.fused_forward` / `fused_backward`,
-        bf16 or mxfp8) always pulls its own rows: there None and 0 mean `serval.overlap.FUSED_COMM_SMS` (8, the
+        bf16 or mxfp8) always pulls its own rows: there None and 0 mean `serval.plan.FUSED_COMM_SMS` (8, the
         EP cost model's choice). Never changes results (a backward that pulls in the down dgrad runs it on the
         Triton engine, which gives the ping-pong engine's bits, d_router_weights included: `serval.plan`).
     minibatch_size: rows per compute/communication overlap step, a multiple of block_m: in a GEMM that pulls
         its rows (comm_sms_* > 0), the compute programs take every output tile of one minibatch's rows before
         the next minibatch's (while that one arrives); in a fused pass, the minibatch of its task order (EP=1
         included: the second GEMM's tiles of a minibatch follow the first GEMM's of the next); None: MoK's rule,
-        two full waves of tiles on the compute SMs (`serval.overlap.layer_minibatch_rows`). No effect elsewhere.
+        two full waves of tiles on the compute SMs (`serval.plan.layer_minibatch_rows`). No effect elsewhere.
         Never changes results.
     macrobatch_size: at expert parallelism, the size of the macrobatch ring in tokens: the routed rows a rank
         computes stream through a fixed buffer of macrobatch_size * top_k rows (rounded up to whole block_m

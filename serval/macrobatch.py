@@ -10,7 +10,7 @@ the host launches the fixed worst-case number of windows and never syncs.
 
 Results are those of one pass over all the rows, bit for bit: each window's tiles are the same tiles, and
 the weight gradients carry each expert's fp32 K sums from one window to the next, in ascending row order
-(`serval.kernels.weight_grad.WgradWindow`; two carry buffers, used in turn).
+(`serval.values.WgradWindow`; two carry buffers, used in turn).
 
 Memory: the ring itself, [ring_rows, H] buffers of pulled x and d_y rows that the workspace makes once and keeps
 (`Workspace.ring`); the [ring_rows, *] intermediates of one window; the weight gradients' carries (fp32, two
@@ -38,6 +38,7 @@ from .pass_plan import PULLED_BY_GEMM, PassPlan
 from .passes import Routed, RoutedGrads, shared_after_launch
 from .peers import PeerTokens
 from .schedule import Schedule, Window, slot_schedule, windows
+from .values import WgradWindow
 
 
 def forward(plan: PassPlan, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace,
@@ -100,8 +101,6 @@ def forward(plan: PassPlan, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_
 
 def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.Tensor, ...]):
     """The weight gradient's window arguments: window `index` reads carry index % 2 and writes the other."""
-    from .kernels.weight_grad import WgradWindow
-
     return WgradWindow(window.expert_phase, carries[index % 2], carries[(index + 1) % 2], outs)
 
 

@@ -32,30 +32,15 @@ product (exact for e8m0), then cast to the requested dtype.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+
+from .values import QuantizedTensor
 
 E4M3_MAX = 448.0
 BLOCKS = ((1, 32), (32, 1), (32, 32), (1, 128), (128, 1), (128, 128))
 SCALE_FORMATS = ("e8m0", "fp32")
 BACKENDS = ("auto", "torch", "triton")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class QuantizedTensor(NamedTuple):
-    """An FP8 block-quantized tensor.
-
-    data: torch.float8_e4m3fn; scale: torch.uint8 (E8M0, 2^(byte - 127)) or torch.float32, one per block;
-    block: (rows, cols) of the *source* tensor's last two dims sharing one scale; transposed: data and scale
-    hold the source with its last two dims swapped, contiguous (data [..., C, R], scale [..., nC, nR]);
-    else data [..., R, C], scale [..., nR, nC], with nR = ceil(R / block[0]) and nC = ceil(C / block[1]).
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    block: tuple[int, int]
-    transposed: bool
 
 
 def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", transpose: bool = False,

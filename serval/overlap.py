@@ -1,7 +1,7 @@
-"""Communication/compute overlap of the expert-parallel layer, as pure functions of sizes and measured rates:
-MoK's minibatch rule, and a cost model of one rank's pass that predicts the staged path, NCCL all_to_all +
-grouped GEMMs, and the fused persistent kernel (communication SMs beside compute SMs, minibatch by minibatch)
-at any EP size without several GPUs. No torch, no GPU: `tools/ep_cost_model.py` feeds it measured figures.
+"""Communication/compute overlap of the expert-parallel layer, as pure functions of sizes and measured rates: a cost
+model of one rank's pass that predicts the staged path, NCCL all_to_all + grouped GEMMs, and the fused persistent
+kernel (communication SMs beside compute SMs, minibatch by minibatch, MoK's rule: `serval.plan.minibatch_rows`) at
+any EP size without several GPUs. No GPU: `tools/ep_cost_model.py` feeds it measured figures.
 
 Per rank at EP = P with N tokens, k slots, balanced routing: the rank computes N*k rows, a fraction (P-1)/P of
 which come from (and go back to) other ranks. A forward moves two row sets (dispatch: x's rows pulled in;
@@ -12,38 +12,12 @@ each f * N*k * H * 2 bytes in bf16; the forward runs 6 * N*k * H * I FLOPs, the 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Mapping, Sequence
+from typing import Mapping
+
+from .plan import layer_minibatch_rows
 
 FORWARD_TRANSFERS = 2  # x's rows in, o's rows out
 BACKWARD_TRANSFERS = 3  # d_y's rows in, x's rows in again, d_x's rows out
-
-# The communication SMs of a fused pass at EP where none are set (Config.comm_sms_* None or 0): the cost model's
-# choice, forward and backward, for every contract EP shape at EP = 8 (docs/reports/2026-12-01-ep-cost-model.md;
-# benchmarks/results/ep_model_predictions.json), a prediction that issue 23's multi-GPU run is to check.
-FUSED_COMM_SMS = 8
-
-
-def minibatch_rows(n_tiles_per_gemm: Sequence[int], compute_sms: int, block_m: int, *, waves: int = 2) -> int:
-    """MoK's rule: the fewest whole M-tiles of rows for which every expert GEMM of the pass has at least `waves`
-    full waves of tiles on the compute SMs, so a minibatch keeps them all busy while the next one arrives.
-
-    n_tiles_per_gemm: each GEMM's output tiles per M-tile (its N / tile width); returns rows (a multiple of
-    block_m)."""
-    if compute_sms < 1 or block_m < 1 or waves < 1 or not n_tiles_per_gemm or min(n_tiles_per_gemm) < 1:
-        raise ValueError(f"minibatch_rows: positive sizes expected, got n_tiles_per_gemm={list(n_tiles_per_gemm)}, "
-                         f"compute_sms={compute_sms}, block_m={block_m}, waves={waves}")
-    m_tiles = max(math.ceil(waves * compute_sms / n) for n in n_tiles_per_gemm)
-    return m_tiles * block_m
-
-
-def layer_minibatch_rows(hidden: int, inter: int, compute_sms: int, block_m: int = 128, *,
-                         gate_up_tile_n: int = 128, down_tile_n: int = 256) -> int:
-    """`minibatch_rows` for the forward's two GEMMs on serval's tiles: gate/up + SwiGLU writes gate_up_tile_n
-    columns of h per tile (the cooperative engine's 128 x 256 [gate | up] tile), down down_tile_n of o."""
-    return minibatch_rows([math.ceil(inter / gate_up_tile_n), math.ceil(hidden / down_tile_n)], compute_sms,
-                          block_m)
-
 
 @dataclasses.dataclass(frozen=True)
 class Problem:

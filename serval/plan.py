@@ -28,6 +28,9 @@ This module imports neither Triton nor the kernels, so `serval.Config` can hold 
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -96,11 +99,11 @@ class KernelPlan:
     engine); the pulled rows then serve the down weight gradient too. `minibatch_rows`: in a GEMM with pull
     programs, the rows whose every output tile the compute programs take before the next rows' (the tile
     order's M-group, so one minibatch computes while the next arrives); None: MoK's rule, two full waves of
-    tiles on the compute SMs (`serval.overlap.layer_minibatch_rows`).
+    tiles on the compute SMs (`serval.plan.layer_minibatch_rows`).
     `fused_forward`: in bf16 and mxfp8 the forward's routed gate/up and down GEMMs run as one persistent launch
     (`serval.kernels.fused_pass`, the Triton tiles above, minibatch_rows its task order's minibatch; mxfp8: the
     gate/up tiles also round-trip h through its E8M0 blocks for down; fp8_blockwise runs staged); at EP its
-    first `pull_programs` programs (0: `serval.overlap.FUSED_COMM_SMS`, the cost model's 8) pull x's rows and its
+    first `pull_programs` programs (0: `serval.plan.FUSED_COMM_SMS`, the cost model's 8) pull x's rows and its
     down tiles push o's rows into the owners' slots: dispatch, experts and combine in one launch; the shared
     expert's two GEMMs join it, their tiles first (at EP: in the first macrobatch window's launch). Off: measured
     slower than the staged launches at EP=1 (docs/reports/2026-12-02-fp8-wgrad-fusion-fused-forward.md,
@@ -189,3 +192,134 @@ def choose_plan(hidden: int, dtype: torch.dtype, target: Target) -> KernelPlan:
             plan, down_engine="cooperative", gate_up_dgrad_engine="cooperative", down_dgrad_engine="pingpong",
             gate_up_engine="cooperative" if hidden <= COOPERATIVE_GATE_UP_MAX_HIDDEN else "triton")
     return plan
+
+
+# ---------------------------------------------------------------- the overlap at expert parallelism
+
+# The communication SMs of a fused pass at EP where none are set (Config.comm_sms_* None or 0): the EP cost model's
+# choice, forward and backward, for every contract EP shape at EP = 8 (`serval.overlap`; docs/reports/
+# 2026-12-01-ep-cost-model.md, benchmarks/results/ep_model_predictions.json); not yet timed on several GPUs.
+FUSED_COMM_SMS = 8
+
+
+def minibatch_rows(n_tiles_per_gemm: Sequence[int], compute_sms: int, block_m: int, *, waves: int = 2) -> int:
+    """MoK's rule: the fewest whole M-tiles of rows for which every expert GEMM of the pass has at least `waves`
+    full waves of tiles on the compute SMs, so a minibatch keeps them all busy while the next one arrives.
+
+    n_tiles_per_gemm: each GEMM's output tiles per M-tile (its N / tile width); returns rows (a multiple of
+    block_m)."""
+    if compute_sms < 1 or block_m < 1 or waves < 1 or not n_tiles_per_gemm or min(n_tiles_per_gemm) < 1:
+        raise ValueError(f"minibatch_rows: positive sizes expected, got n_tiles_per_gemm={list(n_tiles_per_gemm)}, "
+                         f"compute_sms={compute_sms}, block_m={block_m}, waves={waves}")
+    m_tiles = max(math.ceil(waves * compute_sms / n) for n in n_tiles_per_gemm)
+    return m_tiles * block_m
+
+
+def layer_minibatch_rows(hidden: int, inter: int, compute_sms: int, block_m: int = 128, *,
+                         gate_up_tile_n: int = 128, down_tile_n: int = 256) -> int:
+    """`minibatch_rows` for the forward's two GEMMs on serval's tiles: gate/up + SwiGLU writes gate_up_tile_n
+    columns of h per tile (the cooperative engine's 128 x 256 [gate | up] tile), down down_tile_n of o."""
+    return minibatch_rows([math.ceil(inter / gate_up_tile_n), math.ceil(hidden / down_tile_n)], compute_sms,
+                          block_m)
+
+
+# ---------------------------------------------------------------- the weight gradients' tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradConfig:
+    """One tile shape of the grouped weight-gradient kernel (`serval.kernels.weight_grad`). block_k must divide the
+    schedule's block_m (a K step never crosses experts)."""
+
+    block_p: int
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_p: int = 8  # GROUP_P P-tiles sweep the Q-tiles together: concurrent programs reuse A and B strips in L2
+    epilogue_subtile: bool = False  # store the [BP, BQ] tile as two [BP, BQ/2] halves (less shared memory)
+    flatten: bool = False  # one pipelined loop over all K steps of all tiles (no bubble between tiles)
+
+
+# Named configs for Hopper (bf16): 128x256x64 / 8 warps / 3 stages is the tile at which Triton's persistent
+# TMA GEMM reaches cuBLAS there; the others are alternatives a benchmark can name. All compile for sm_90 with
+# Triton 3.6 without spills (shared memory: 213 KB for 128x256 / 3 stages, 229 KB for 4 stages with the split
+# epilogue, of 227 KiB).
+WGRAD_CONFIGS = types.MappingProxyType({
+    "128x256": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    "128x256-nested": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=False),
+    "128x256s": WgradConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True),
+    "256x128": WgradConfig(256, 128, 64, num_warps=8, num_stages=3, flatten=True),
+    "128x128": WgradConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
+})
+
+
+def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
+    return max(floor, min(cap, 1 << max(0, n - 1).bit_length()))
+
+
+def wgrad_config(p_out: int, q: int, block_m: int, interpret: bool, down: bool = False) -> WgradConfig:
+    """The weight gradient's tiles for outputs [p_out, q] (a function of the shapes only); down: the w_down
+    gradient, which takes the 4-stage split-store variant where the others take 128x256 (faster for it). Under the
+    interpreter small tiles: its cost is per op, and small tiles exercise the masks on tiny shapes."""
+    if interpret:
+        bp, bq = _pow2_at_most(p_out, 32), _pow2_at_most(q, 32)
+        return WgradConfig(bp, bq, min(16, block_m), num_warps=4, num_stages=2, group_p=2, flatten=True)
+    if p_out >= 128 and q >= 256:
+        return WGRAD_CONFIGS["128x256s" if down else "128x256"]
+    if p_out >= 128 and q >= 128:
+        return WGRAD_CONFIGS["128x128"]
+    bp, bq = _pow2_at_most(p_out, 128), _pow2_at_most(q, 128)
+    return WgradConfig(bp, bq, 64, num_warps=4, num_stages=4, flatten=True)
+
+
+# ---------------------------------------------------------------- the block-scaled FP8 GEMMs' tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8TritonTiles:
+    """The Triton FP8 grouped GEMM's launch (`serval.kernels.fp8_gemm`; BLOCK_K is one 128-wide scale block)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def fp8_triton_tiles(segment: Literal["rows", "k"], interpret: bool) -> Fp8TritonTiles:
+    """On a GPU (checked for sm_90 with Triton 3.6, ptxas: no spills): "rows" (the row-grouped GEMMs) 128 x 128 x 128,
+    8 warps, 3 stages (229 registers, 96 KB); "k" (the weight gradient) 64 x 128 x 128, 4 warps, 4 stages (248
+    registers; its per-column weight scales cost registers, 128 x 128 spilled). Under the interpreter small tiles
+    (its cost is per op; small tiles exercise the masks and the per-column weight scales)."""
+    if interpret:
+        return Fp8TritonTiles(32, 32, 4, 1)
+    if segment == "rows":
+        return Fp8TritonTiles(128, 128, 8, 3)
+    return Fp8TritonTiles(64, 128, 4, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GluonConfig:
+    """A launch configuration of the Gluon FP8 engine (`serval.kernels.gluon_fp8`, tile 128 x block_n x 128; the
+    engine checks that its stages fit the shared memory)."""
+
+    block_n: int = 128  # 64 or 128: 128 keeps 64 acc + 64 partial fp32 per consumer thread
+    stages: int = 6  # ring depth: a stage is 16 KB of A + block_n x 128 B of weights
+    group_m: int = 8  # tile order, as TileConfig.group_m
+    epi_split: int = 4  # the epilogue in this many column chunks (16-byte pointer stores)
+
+    def __post_init__(self):
+        if self.block_n not in (64, 128):
+            raise ValueError(f"Fp8GluonConfig.block_n must be 64 or 128, got {self.block_n}")
+        if self.stages < 2:
+            raise ValueError(f"Fp8GluonConfig.stages must be at least 2, got {self.stages}")
+
+
+def fp8_gluon_config(n: int, weight_grad: bool = False) -> Fp8GluonConfig:
+    """128-wide N tiles (the widest whose 64 + 64 fp32 registers fit a consumer), 64 for outputs no wider than
+    64. The row-grouped GEMMs take as many stages as fit 227 KB beside ~8 KB of epilogue scratch (6 of 33 KB,
+    8 of 24.8 KB); the weight gradient 4 (its K loops are one expert's rows, a few dozen steps; on the H200, 4
+    was within the call-to-call spread of 6 or ahead of it, docs/reports/2026-12-02-fp8-scales-quantizer.md)."""
+    if n <= 64:
+        return Fp8GluonConfig(block_n=64, stages=4 if weight_grad else 8)
+    return Fp8GluonConfig(block_n=128, stages=4 if weight_grad else 6)

@@ -57,9 +57,10 @@ from typing import Literal, NamedTuple
 import torch
 
 from . import stages, weight_layout
+from .ops import dequantize, quantize
 from .peers import push_keywords
-from .ops import QuantizedTensor, dequantize, quantize
 from .schedule import Schedule
+from .values import QuantizedTensor
 
 
 @dataclasses.dataclass(frozen=True)

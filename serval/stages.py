@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .ops import QuantizedTensor, dequantize, quantize
+from .ops import dequantize, quantize
 from .schedule import Schedule, packed_index, packed_rows
+from .values import QuantizedTensor
 
 
 # Whether down / gate_up_dgrad take `push_to` (write their rows into the EP owners' slots) and whether

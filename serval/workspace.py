@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .schedule import capacity_rows, ep_capacity_rows
+from .values import new_pull_flags
 
 __all__ = ["Workspace", "ErrorFlags", "create_workspace", "get_workspace", "workspace_by_id"]
 
@@ -172,8 +173,6 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device,
                        capacity_rows(num_tokens * top_k, num_experts, config.block_m), id=ident)
     else:
-        from .kernels.in_gemm_pull import new_flags
-
         if device.type == "cuda":
             from .transport.symm import SymmetricMemoryTransport
 
@@ -191,7 +190,7 @@ def create_workspace(num_tokens: int, top_k: int, hidden: int, num_experts: int,
             ring = min(capacity, config.block_m * -(-config.macrobatch_size * top_k // config.block_m))
         ws = Workspace(num_tokens, top_k, hidden, num_experts, experts_per_rank, config.block_m, device, capacity,
                        rank=transport.rank, ep_size=ep_size, transport=transport, id=ident,
-                       errors=ErrorFlags(device), pull_flags=new_flags(ring // 16 + 1, device), ring_rows=ring)
+                       errors=ErrorFlags(device), pull_flags=new_pull_flags(ring // 16 + 1, device), ring_rows=ring)
     _WORKSPACES[ident] = ws
     return ws
 

@@ -18,6 +18,8 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():  # before serval.kernels is imported (conftest.py does the same)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -25,7 +27,9 @@ os.environ.setdefault("SERVAL_POISON_OUTPUTS", "1")
 
 from conftest import check_sync_free_and_graph_replay  # noqa: E402
 from sm90 import compile_in_child  # noqa: E402
-from serval.kernels import common, fused_pass as ff, in_gemm_pull, rows, triton_gemm  # noqa: E402
+from serval.kernels import common, fused_launch as fl, in_gemm_pull, rows, triton_gemm  # noqa: E402
+from serval.kernels import task_order as to  # noqa: E402
+from serval.values import new_pull_flags, new_sync  # noqa: E402
 from serval.ops import quantize  # noqa: E402
 from serval.plan import KernelPlan, TileConfig  # noqa: E402
 from serval.schedule import build_schedule, dense_schedule  # noqa: E402
@@ -46,8 +50,28 @@ ROUTINGS = {
     "k1": (80, 1, 5, "random"),
     "one_token": (1, 4, 6, "random"),
 }
-# rows per minibatch: 1 M-tile, 2 M-tiles, one minibatch over everything, MoK's rule (serval.overlap)
+# rows per minibatch: 1 M-tile, 2 M-tiles, one minibatch over everything, MoK's rule (serval.plan)
 MINIBATCHES = {"1_tile": BLOCK_M, "2_tiles": 2 * BLOCK_M, "all": 1 << 20, "mok": None}
+
+
+@triton.jit
+def _task_order_kernel(out_ptr, num_m_tiles, n_first, n_second, MB: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[t] = (is_second, m_tile, n_tile) of every task id t, as the fused kernel decodes it."""
+    for task in range(0, num_m_tiles * (n_first + n_second)):
+        is_second, m_tile, n_tile = to.task_coords(task, num_m_tiles, n_first, n_second, MB, GROUP_M)
+        tl.store(out_ptr + 3 * task, is_second.to(tl.int32))
+        tl.store(out_ptr + 3 * task + 1, m_tile)
+        tl.store(out_ptr + 3 * task + 2, n_tile)
+
+
+def device_task_order(num_m_tiles: int, n_tiles_first: int, n_tiles_second: int, minibatch_m_tiles: int,
+                      group_m: int | None = None, device="cpu") -> list[tuple[int, int, int]]:
+    """`task_order.task_order` as the kernel decodes it on the device (`task_order.task_coords`)."""
+    num_tasks = num_m_tiles * (n_tiles_first + n_tiles_second)
+    out = torch.full((max(num_tasks, 1), 3), -1, dtype=torch.int32, device=device)
+    _task_order_kernel[(1,)](out, num_m_tiles, n_tiles_first, n_tiles_second, MB=minibatch_m_tiles,
+                             GROUP_M=minibatch_m_tiles if group_m is None else group_m)
+    return [tuple(row) for row in out[:num_tasks].tolist()]
 
 
 def make_topk_ids(num_tokens, top_k, num_experts, how, generator):
@@ -95,8 +119,8 @@ def staged(case, limit, gate_up_tiles=TILES, down_tiles=TILES, use_tma=True):
 def fused(case, limit, minibatch_rows, sync=None, gate_up_tiles=TILES, down_tiles=TILES, use_tma=True):
     schedule = case["schedule"]
     if sync is None:
-        sync = ff.new_sync(schedule.capacity // min(gate_up_tiles.block_m, schedule.block_m), case["a_rows"].device)
-    return ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], schedule, limit,
+        sync = new_sync(schedule.capacity // min(gate_up_tiles.block_m, schedule.block_m), case["a_rows"].device)
+    return fl.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], schedule, limit,
                             gate_up_tiles, down_tiles, use_tma, minibatch_rows, sync)[:3]
 
 
@@ -126,31 +150,31 @@ ORDER_SIZES = [(0, 3, 2, 1), (1, 1, 1, 1), (1, 3, 4, 5), (5, 2, 3, 1), (5, 2, 3,
 
 
 def check_order(order, num_m, n_first, n_second, mb):
-    everything = [(ff.FIRST, m, n) for m in range(num_m) for n in range(n_first)] + \
-                 [(ff.SECOND, m, n) for m in range(num_m) for n in range(n_second)]
+    everything = [(to.FIRST, m, n) for m in range(num_m) for n in range(n_first)] + \
+                 [(to.SECOND, m, n) for m in range(num_m) for n in range(n_second)]
     assert sorted(order) == sorted(everything) and len(order) == len(everything)  # every task exactly once
     position = {task: i for i, task in enumerate(order)}
     for m in range(num_m):  # an S tile comes after every F tile of its M-tile
-        last_first = max(position[(ff.FIRST, m, n)] for n in range(n_first))
-        assert all(position[(ff.SECOND, m, n)] > last_first for n in range(n_second))
+        last_first = max(position[(to.FIRST, m, n)] for n in range(n_first))
+        assert all(position[(to.SECOND, m, n)] > last_first for n in range(n_second))
     # minibatch by minibatch: F(0), F(1), S(0), F(2), S(1), ..., S(last)
     segments = [(gemm, m // mb) for gemm, m, _ in order]
     runs = [s for i, s in enumerate(segments) if i == 0 or s != segments[i - 1]]
     num_minibatches = -(-num_m // mb)
-    want = [(ff.FIRST, 0)] + [s for b in range(1, num_minibatches) for s in ((ff.FIRST, b), (ff.SECOND, b - 1))]
-    assert runs == (want + [(ff.SECOND, num_minibatches - 1)] if num_m else [])
+    want = [(to.FIRST, 0)] + [s for b in range(1, num_minibatches) for s in ((to.FIRST, b), (to.SECOND, b - 1))]
+    assert runs == (want + [(to.SECOND, num_minibatches - 1)] if num_m else [])
 
 
 @pytest.mark.parametrize("num_m, n_first, n_second, mb", ORDER_SIZES)
 def test_task_order(num_m, n_first, n_second, mb):
-    check_order(ff.task_order(num_m, n_first, n_second, mb), num_m, n_first, n_second, mb)
+    check_order(to.task_order(num_m, n_first, n_second, mb), num_m, n_first, n_second, mb)
 
 
 def test_task_order_small_example():
     """3 M-tiles, minibatches of 2, the first GEMM 2 N-tiles, the second 1: within a minibatch M-tiles vary fastest
     (GROUP_M)."""
-    F, S = ff.FIRST, ff.SECOND
-    assert ff.task_order(3, 2, 1, 2) == [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),  # F(0)
+    F, S = to.FIRST, to.SECOND
+    assert to.task_order(3, 2, 1, 2) == [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),  # F(0)
                                          (F, 2, 0), (F, 2, 1),  # F(1)
                                          (S, 0, 0), (S, 1, 0),  # S(0)
                                          (S, 2, 0)]  # S(1)
@@ -161,32 +185,32 @@ def test_task_order_is_each_gemms_staged_order(group_m):
     """Restricted to one GEMM, the order is that GEMM's staged launch with GROUP_M = group_m (default: the
     minibatch's M-tiles)."""
     num_m, n_first, n_second, mb = 11, 3, 2, 4
-    order = ff.task_order(num_m, n_first, n_second, mb, group_m)
+    order = to.task_order(num_m, n_first, n_second, mb, group_m)
     check_order(order, num_m, n_first, n_second, mb)
     group = group_m or mb
-    for gemm, n in ((ff.FIRST, n_first), (ff.SECOND, n_second)):
-        assert [t[1:] for t in order if t[0] == gemm] == [ff._tile_coords(i, num_m, n, group) for i in range(num_m * n)]
+    for gemm, n in ((to.FIRST, n_first), (to.SECOND, n_second)):
+        assert [t[1:] for t in order if t[0] == gemm] == [to._tile_coords(i, num_m, n, group) for i in range(num_m * n)]
 
 
 @pytest.mark.parametrize("num_m, n_first, n_second, mb", [s for s in ORDER_SIZES if s[0] * (s[1] + s[2]) <= 120])
 def test_device_decode_matches_task_order(num_m, n_first, n_second, mb):
     """The kernel's decode of a task id (`_task_coords`, run in a kernel) gives `task_order`'s entry."""
-    want = ff.task_order(num_m, n_first, n_second, mb)
-    assert ff.device_task_order(num_m, n_first, n_second, mb, device=DEVICE) == want
+    want = to.task_order(num_m, n_first, n_second, mb)
+    assert device_task_order(num_m, n_first, n_second, mb, device=DEVICE) == want
     group = 2 if mb % 2 == 0 else 1
-    assert (ff.device_task_order(num_m, n_first, n_second, mb, group, device=DEVICE)
-            == ff.task_order(num_m, n_first, n_second, mb, group))
+    assert (device_task_order(num_m, n_first, n_second, mb, group, device=DEVICE)
+            == to.task_order(num_m, n_first, n_second, mb, group))
 
 
 def test_task_order_errors():
     with pytest.raises(ValueError, match="group_m"):
-        ff.task_order(9, 2, 2, 4, 3)  # minibatches of 4 M-tiles would not start on groups of 3
+        to.task_order(9, 2, 2, 4, 3)  # minibatches of 4 M-tiles would not start on groups of 3
     with pytest.raises(ValueError, match="minibatch_m_tiles"):
-        ff.task_order(3, 2, 2, 0)
+        to.task_order(3, 2, 2, 0)
     with pytest.raises(ValueError, match="n_tiles_second"):
-        ff.task_order(3, 2, 0, 1)
+        to.task_order(3, 2, 0, 1)
     with pytest.raises(ValueError, match="num_m_tiles"):
-        ff.task_order(-1, 2, 2, 1)
+        to.task_order(-1, 2, 2, 1)
 
 
 # ---------------------------------------------------------------- fused == staged, bit for bit
@@ -243,7 +267,7 @@ def test_two_runs_and_the_sync_across_launches():
     and one Sync serves problems of other shapes too."""
     case = make_case("random")
     schedule = case["schedule"]
-    sync = ff.new_sync(schedule.capacity // BLOCK_M + 3, DEVICE)
+    sync = new_sync(schedule.capacity // BLOCK_M + 3, DEVICE)
     first = fused(case, 0.5, 2 * BLOCK_M, sync)
     num_m = int(schedule.expert_offsets[-1]) // BLOCK_M
     n_gu, n_dn = -(-INTER // 32), -(-HIDDEN // 32)
@@ -270,14 +294,14 @@ def test_two_runs_and_the_sync_across_launches():
 def test_argument_errors():
     case = make_case("one_token")
     schedule = case["schedule"]
-    sync = ff.new_sync(schedule.capacity // BLOCK_M, DEVICE)
+    sync = new_sync(schedule.capacity // BLOCK_M, DEVICE)
     args = dict(a_rows=case["a_rows"], w_gate=case["w_gate"], w_up=case["w_up"], w_down=case["w_down"],
                 schedule=schedule, swiglu_limit=None, gate_up_tiles=TILES, down_tiles=TILES, use_tma=True,
                 minibatch_rows=None, sync=sync)
 
     def call(match, error=ValueError, **changes):
         with pytest.raises(error, match=match):
-            ff.fused_forward(**{**args, **changes})
+            fl.fused_forward(**{**args, **changes})
 
     call("a_rows must be", a_rows=case["a_rows"][:-1])
     call("w_up must be", w_up=case["w_up"][:, :-1])
@@ -292,10 +316,10 @@ def test_argument_errors():
     call("gate_up_tiles must be", TypeError, gate_up_tiles=KernelPlan())
     call("down_tiles.epi_split", down_tiles=dataclasses.replace(TILES, epi_split=3))
     call("sync must be", TypeError, sync=(sync.counters, sync.flags, sync.epoch))
-    call("sync.flags holds", sync=ff.new_sync(schedule.capacity // BLOCK_M - 1, DEVICE))
+    call("sync.flags holds", sync=new_sync(schedule.capacity // BLOCK_M - 1, DEVICE))
     call("sync.epoch", sync=sync._replace(epoch=sync.epoch.long()))
     with pytest.raises(ValueError, match="num_m_tiles"):
-        ff.new_sync(-1, DEVICE)
+        new_sync(-1, DEVICE)
 
 
 # ---------------------------------------------------------------- the fused backward == staged, bit for bit
@@ -331,8 +355,8 @@ def fused_backward(case, limit, minibatch_rows, sync=None, dgrad_tiles=DGRAD_TIL
                    use_tma=True):
     schedule = case["schedule"]
     if sync is None:
-        sync = ff.new_sync(schedule.capacity // min(dgrad_tiles.block_m, schedule.block_m), case["d_y_rows"].device)
-    return ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+        sync = new_sync(schedule.capacity // min(dgrad_tiles.block_m, schedule.block_m), case["d_y_rows"].device)
+    return fl.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
                              case["router_weights"], schedule, limit, dgrad_tiles, gate_up_dgrad_tiles, use_tma,
                              minibatch_rows, sync)[:4]
 
@@ -370,14 +394,14 @@ def test_fused_backward_pointer_path_and_own_tiles():
 def test_fused_backward_argument_errors():
     case = backward_case("one_token", None)
     schedule = case["schedule"]
-    sync = ff.new_sync(schedule.capacity // BLOCK_M, DEVICE)
+    sync = new_sync(schedule.capacity // BLOCK_M, DEVICE)
     args = dict(d_y_rows=case["d_y_rows"], w_down=case["w_down"], w_gate=case["w_gate"], w_up=case["w_up"],
                 gate_up=case["gate_up"], router_weights=case["router_weights"], schedule=schedule, swiglu_limit=None,
                 dgrad_tiles=DGRAD_TILES, gate_up_dgrad_tiles=TILES, use_tma=True, minibatch_rows=None, sync=sync)
 
     def call(match, error=ValueError, **changes):
         with pytest.raises(error, match=match):
-            ff.fused_backward(**{**args, **changes})
+            fl.fused_backward(**{**args, **changes})
 
     call("d_y_rows must be", d_y_rows=case["d_y_rows"][:-1])
     call("gate_up must be", gate_up=case["gate_up"][:, :-1])
@@ -386,7 +410,7 @@ def test_fused_backward_argument_errors():
     call("one block_m", gate_up_dgrad_tiles=dataclasses.replace(TILES, block_m=16))
     call("dgrad_tiles.epi_split", dgrad_tiles=dataclasses.replace(TILES, epi_split=3))
     call("multiple of 16 columns", dgrad_tiles=dataclasses.replace(TILES, block_n=16, epi_split=2))
-    call("sync.flags holds", sync=ff.new_sync(schedule.capacity // BLOCK_M - 1, DEVICE))
+    call("sync.flags holds", sync=new_sync(schedule.capacity // BLOCK_M - 1, DEVICE))
 
 
 # ---------------------------------------------------------------- the shared expert's tiles in the launch
@@ -404,7 +428,7 @@ def shared_expert(case, tokens, inter=SHARED_INTER, seed=5, gate_up=None):
     w_gate, w_up = ((torch.randn(1, inter, hidden, generator=g) * hidden ** -0.5).to(device, torch.bfloat16)
                     for _ in range(2))
     w_down = (torch.randn(1, hidden, inter, generator=g) * inter ** -0.5).to(device, torch.bfloat16)
-    shared = ff.SharedExpert(rows.gather(tokens, dense), dense, w_gate, w_up, w_down, gate_up)
+    shared = fl.SharedExpert(rows.gather(tokens, dense), dense, w_gate, w_up, w_down, gate_up)
     operands = dict(a_rows=shared.rows, d_y_rows=shared.rows, w_gate=w_gate, w_up=w_up, w_down=w_down,
                     schedule=dense, gate_up=gate_up,
                     router_weights=torch.ones(dense.capacity, dtype=torch.float32, device=device))
@@ -412,7 +436,7 @@ def shared_expert(case, tokens, inter=SHARED_INTER, seed=5, gate_up=None):
 
 
 def shared_sync(case, shared, block_m=BLOCK_M):
-    return ff.new_sync((case["schedule"].capacity + shared.schedule.capacity) // block_m, case["x"].device)
+    return new_sync((case["schedule"].capacity + shared.schedule.capacity) // block_m, case["x"].device)
 
 
 @pytest.mark.parametrize("routing, minibatch", [("random", "1_tile"), ("empty_experts", "mok"),
@@ -422,7 +446,7 @@ def test_fused_with_the_shared_expert_equals_staged(routing, minibatch):
     for bit the staged launches'."""
     case, want = staged_cached(routing, 0.5)
     shared, operands = shared_expert(case, case["x"])
-    *got, got_shared = ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"],
+    *got, got_shared = fl.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"],
                                         case["schedule"], 0.5, TILES, TILES, True, MINIBATCHES[minibatch],
                                         shared_sync(case, shared), shared=shared)
     assert_bitwise(got, want)
@@ -440,7 +464,7 @@ def test_fused_backward_with_the_shared_expert_equals_staged(routing, minibatch)
     gate_up, _ = triton_gemm.gate_up_swiglu(shared.rows, shared.w_gate, shared.w_up, shared.schedule, 0.5, TILES,
                                             False)
     shared, operands = shared_expert(case, d_y, gate_up=gate_up)
-    *got, got_shared = ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"],
+    *got, got_shared = fl.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"],
                                          case["gate_up"], case["router_weights"], case["schedule"], 0.5, DGRAD_TILES,
                                          TILES, True, MINIBATCHES[minibatch], shared_sync(case, shared),
                                          shared=shared)
@@ -458,17 +482,17 @@ def test_shared_expert_argument_errors():
 
     def call(match, error=ValueError, **changes):
         with pytest.raises(error, match=match):
-            ff.fused_forward(**args, shared=shared._replace(**changes))
+            fl.fused_forward(**args, shared=shared._replace(**changes))
 
-    with pytest.raises(TypeError, match="shared must be None or a fused_pass.SharedExpert"):
-        ff.fused_forward(**args, shared=tuple(shared))
+    with pytest.raises(TypeError, match="shared must be None or a fused_launch.SharedExpert"):
+        fl.fused_forward(**args, shared=tuple(shared))
     call("shared.rows must be", rows=shared.rows[:-1])
     call("shared.w_up must be", w_up=shared.w_up[:, :-1])
     call("shared.w_down must be", w_down=shared.w_down.transpose(1, 2))
     call("shared.w_gate must be a", w_gate=shared.w_gate.float())
     call("shared.schedule must be", schedule=case["schedule"])
     with pytest.raises(ValueError, match="sync.flags holds"):
-        ff.fused_forward(**{**args, "sync": ff.new_sync(case["schedule"].capacity // BLOCK_M, DEVICE)},
+        fl.fused_forward(**{**args, "sync": new_sync(case["schedule"].capacity // BLOCK_M, DEVICE)},
                          shared=shared)
 
 
@@ -507,8 +531,8 @@ def test_mxfp8_fused_forward_equals_staged(routing, minibatch, limit):
     case = make_case(routing)
     case["a_rows"] = mx(case["a_rows"])
     schedule = case["schedule"]
-    got = ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], schedule, limit, TILES,
-                           TILES, True, MINIBATCHES[minibatch], ff.new_sync(schedule.capacity // BLOCK_M, DEVICE),
+    got = fl.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], schedule, limit, TILES,
+                           TILES, True, MINIBATCHES[minibatch], new_sync(schedule.capacity // BLOCK_M, DEVICE),
                            quant_block=32)[:3]
     assert_bitwise(got, staged_mxfp8(case, limit))
     check_written(got, schedule)
@@ -520,9 +544,9 @@ def test_mxfp8_fused_backward_equals_staged(routing, minibatch, limit):
     """quant_block=32: the gate/up dgrad reads d_gate_up quantized along 2I and dequantized by the dgrad tiles'
     epilogue, bit for bit the staged mxfp8 path's (I = 64: whole blocks per half)."""
     case = backward_case(routing, limit, inter=64)
-    got = ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+    got = fl.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
                             case["router_weights"], case["schedule"], limit, MX_DGRAD_TILES, TILES, True,
-                            MINIBATCHES[minibatch], ff.new_sync(case["schedule"].capacity // BLOCK_M, DEVICE),
+                            MINIBATCHES[minibatch], new_sync(case["schedule"].capacity // BLOCK_M, DEVICE),
                             quant_block=32)[:4]
     assert_bitwise(got, staged_mxfp8_backward(case, limit), BACKWARD_NAMES)
     check_backward_written(got, case["schedule"])
@@ -553,20 +577,20 @@ def test_mxfp8_fused_passes_pull_and_round_trip_their_rows(routing):
     d_y_rows = rows.gather(d_y, schedule)
     want_forward = staged_mxfp8({**case, "a_rows": mx(case["a_rows"])}, 0.5)
     want_backward = staged_mxfp8_backward({**case, "d_y_rows": mx(d_y_rows)}, 0.5)
-    sync = ff.new_sync(schedule.capacity // BLOCK_M, DEVICE)
+    sync = new_sync(schedule.capacity // BLOCK_M, DEVICE)
 
     def pull(tokens):
         source, buffers = peer_tokens(tokens, schedule.top_k)
-        return in_gemm_pull.Pull(source, 1, 32, *in_gemm_pull.new_flags(schedule.capacity // BLOCK_M, DEVICE)), \
+        return in_gemm_pull.Pull(source, 1, 32, *new_pull_flags(schedule.capacity // BLOCK_M, DEVICE)), \
             buffers
 
     x_pull, _x_buffers = pull(case["x"])
-    got = ff.fused_forward(torch.empty_like(case["a_rows"]), case["w_gate"], case["w_up"], case["w_down"], schedule,
+    got = fl.fused_forward(torch.empty_like(case["a_rows"]), case["w_gate"], case["w_up"], case["w_down"], schedule,
                            0.5, TILES, TILES, True, None, sync, pull=x_pull, quant_block=32)[:3]
     assert_bitwise(got, want_forward)
     d_y_pull, _d_y_buffers = pull(d_y)
     pulled = torch.empty_like(d_y_rows)
-    got = ff.fused_backward(pulled, case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+    got = fl.fused_backward(pulled, case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
                             case["router_weights"], schedule, 0.5, MX_DGRAD_TILES, TILES, True, None, sync,
                             pull=d_y_pull, quant_block=32)[:4]
     assert_bitwise(got, want_backward, BACKWARD_NAMES)
@@ -577,7 +601,7 @@ def test_mxfp8_fused_passes_pull_and_round_trip_their_rows(routing):
 def test_mxfp8_argument_errors():
     case = backward_case("one_token", None)
     schedule = case["schedule"]
-    sync = ff.new_sync(schedule.capacity // BLOCK_M, DEVICE)
+    sync = new_sync(schedule.capacity // BLOCK_M, DEVICE)
     forward = dict(a_rows=case["a_rows"], w_gate=case["w_gate"], w_up=case["w_up"], w_down=case["w_down"],
                    schedule=schedule, swiglu_limit=None, gate_up_tiles=TILES, down_tiles=TILES, use_tma=True,
                    minibatch_rows=None, sync=sync, quant_block=32)
@@ -587,15 +611,15 @@ def test_mxfp8_argument_errors():
                     minibatch_rows=None, sync=sync, quant_block=32)
     for quant_block in (16, True, 32.0):
         with pytest.raises(ValueError, match="quant_block must be 0 or 32"):
-            ff.fused_forward(**{**forward, "quant_block": quant_block})
+            fl.fused_forward(**{**forward, "quant_block": quant_block})
     with pytest.raises(ValueError, match="quant_block needs bf16"):
-        ff.fused_forward(**{**forward, **{k: forward[k].half() for k in ("a_rows", "w_gate", "w_up", "w_down")}})
+        fl.fused_forward(**{**forward, **{k: forward[k].half() for k in ("a_rows", "w_gate", "w_up", "w_down")}})
     with pytest.raises(ValueError, match="epilogue chunks"):
-        ff.fused_forward(**{**forward, "gate_up_tiles": dataclasses.replace(TILES, epi_split=2)})
+        fl.fused_forward(**{**forward, "gate_up_tiles": dataclasses.replace(TILES, epi_split=2)})
     with pytest.raises(ValueError, match="epilogue chunks"):
-        ff.fused_backward(**{**backward, "dgrad_tiles": DGRAD_TILES})
+        fl.fused_backward(**{**backward, "dgrad_tiles": DGRAD_TILES})
     with pytest.raises(ValueError, match="I = 40 must be a multiple"):  # a block would straddle gate and up
-        ff.fused_backward(**backward)
+        fl.fused_backward(**backward)
 
 
 # ---------------------------------------------------------------- sm_90a, without a GPU
@@ -605,7 +629,8 @@ import sys
 import torch
 sys.path.insert(0, "tests")
 from sm90 import compile_launch_in_this_child
-from serval.kernels import fused_pass as ff
+from serval.kernels import fused_launch as fl
+from serval.values import new_pull_flags, new_sync
 from serval.kernels.gemm_stages import quant_tiles
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule, dense_schedule
@@ -622,26 +647,26 @@ if sys.argv[3].endswith("_ep"):  # 8 pull programs read two ranks' token buffers
     from serval.peers import PeerTokens
     source = PeerTokens(torch.zeros(2, dtype=torch.int64), N // 2, 2, hidden, torch.bfloat16, True)
     pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c,
-                             *in_gemm_pull.new_flags(schedule.capacity // 128, "cpu"))
+                             *new_pull_flags(schedule.capacity // 128, "cpu"))
 rows, w_gate, w_up = (torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),
                       torch.zeros(E, inter, hidden, **bf16))
 w_down = torch.zeros(E, hidden, inter, **bf16)
 shared = None
 if with_shared:  # a shared expert of Is = I over the N tokens
     dense = dense_schedule(N, 128, "cpu")
-    shared = ff.SharedExpert(torch.zeros(dense.capacity, hidden, **bf16), dense, w_gate[:1], w_up[:1], w_down[:1],
+    shared = fl.SharedExpert(torch.zeros(dense.capacity, hidden, **bf16), dense, w_gate[:1], w_up[:1], w_down[:1],
                              torch.zeros(N, 2 * inter, **bf16) if backward else None)
-sync = ff.new_sync((schedule.capacity + (N if with_shared else 0)) // 128, "cpu")
+sync = new_sync((schedule.capacity + (N if with_shared else 0)) // 128, "cpu")
 if backward:
-    launch = lambda: ff.fused_backward(
+    launch = lambda: fl.fused_backward(
         rows, w_down, w_gate, w_up, torch.zeros(schedule.num_packed, 2 * inter, **bf16), torch.zeros(2 * N), schedule,
         7.0, quant_tiles(plan.down_dgrad_tiles, quant_block), plan.gate_up_dgrad_tiles, True, None, sync,
         shared=shared, quant_block=quant_block, pull=pull)
 else:
-    launch = lambda: ff.fused_forward(rows, w_gate, w_up, w_down, schedule, 7.0,
+    launch = lambda: fl.fused_forward(rows, w_gate, w_up, w_down, schedule, 7.0,
                                       quant_tiles(plan.gate_up_tiles, quant_block), plan.down_tiles, True, None, sync,
                                       shared=shared, quant_block=quant_block, pull=pull)
-compile_launch_in_this_child(ff, "_fused_pass_kernel", launch, sys.argv[4])
+compile_launch_in_this_child(fl, "fused_pass_kernel", launch, sys.argv[4])
 """
 
 
@@ -663,8 +688,8 @@ def test_compiles_for_sm90a(direction, tmp_path):
     assert shared <= 232448, f"{shared} bytes of shared memory"
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     # mxfp8, under Triton 3.9's ptxas: the backward's round trip of d_gate and d_up spills 8 bytes (2 registers),
-    # with the pull programs' round trip of the pulled rows 28
-    assert spilled <= {"backward_mxfp8": 8, "backward_mxfp8_ep": 28}.get(direction, 0), report
+    # with the pull programs' round trip of the pulled rows 36 (Triton 3.6, the H200's: 56 and 84)
+    assert spilled <= {"backward_mxfp8": 8, "backward_mxfp8_ep": 36}.get(direction, 0), report
     assert "C7510" not in report, report  # wgmma serialized
 
 
@@ -688,7 +713,7 @@ def test_gpu_fused_equals_staged(how, minibatch_rows):
     plan = KernelPlan()
     tiles = dict(gate_up_tiles=plan.gate_up_tiles, down_tiles=plan.down_tiles)
     want = staged(case, 7.0, **tiles)
-    sync = ff.new_sync(case["schedule"].capacity // 128, "cuda")
+    sync = new_sync(case["schedule"].capacity // 128, "cuda")
     first = fused(case, 7.0, minibatch_rows, sync, **tiles)
     assert_bitwise(first, want)
     check_written(first, case["schedule"])
@@ -707,7 +732,7 @@ def test_gpu_fused_backward_equals_staged(how, minibatch_rows):
     plan = KernelPlan()
     tiles = dict(dgrad_tiles=plan.down_dgrad_tiles, gate_up_dgrad_tiles=plan.gate_up_dgrad_tiles)
     want = staged_backward(case, 7.0, **tiles)
-    sync = ff.new_sync(case["schedule"].capacity // 128, "cuda")
+    sync = new_sync(case["schedule"].capacity // 128, "cuda")
     first = fused_backward(case, 7.0, minibatch_rows, sync, **tiles)
     assert_bitwise(first, want, BACKWARD_NAMES)
     check_backward_written(first, case["schedule"])
@@ -730,7 +755,7 @@ def test_gpu_fused_passes_with_the_shared_expert():
     fwd_tiles = dict(gate_up_tiles=plan.gate_up_tiles, down_tiles=plan.down_tiles)
 
     def forward():
-        return ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], case["schedule"], 7.0,
+        return fl.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], case["schedule"], 7.0,
                                 plan.gate_up_tiles, plan.down_tiles, True, None, sync, shared=shared)
 
     *got, got_shared = forward()
@@ -741,7 +766,7 @@ def test_gpu_fused_passes_with_the_shared_expert():
     d_y = torch.randn(case["x"].shape, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
     shared_bwd, operands_bwd = shared_expert(case, d_y, inter=1536, gate_up=got_shared[0])  # the same weights
     bwd_tiles = dict(dgrad_tiles=plan.down_dgrad_tiles, gate_up_dgrad_tiles=plan.gate_up_dgrad_tiles)
-    *got, got_shared = ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"],
+    *got, got_shared = fl.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"],
                                          case["gate_up"], case["router_weights"], case["schedule"], 7.0,
                                          plan.down_dgrad_tiles, plan.gate_up_dgrad_tiles, True, 256, sync,
                                          shared=shared_bwd)
@@ -761,15 +786,15 @@ def test_gpu_mxfp8_fused_passes(how):
     case = backward_case((s["num_tokens"], s["top_k"], s["num_experts"], how), 7.0, device="cuda",
                          hidden=s["hidden"], inter=s["inter"], block_m=128)
     case["a_rows"], case["d_y_rows"] = mx(case["a_rows"]), mx(case["d_y_rows"])
-    sync = ff.new_sync(case["schedule"].capacity // 128, "cuda")
+    sync = new_sync(case["schedule"].capacity // 128, "cuda")
 
     def forward():
-        return ff.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], case["schedule"], 7.0,
+        return fl.fused_forward(case["a_rows"], case["w_gate"], case["w_up"], case["w_down"], case["schedule"], 7.0,
                                 quant_tiles(plan.gate_up_tiles, 32), plan.down_tiles, True, None, sync,
                                 quant_block=32)[:3]
 
     def backward():
-        return ff.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
+        return fl.fused_backward(case["d_y_rows"], case["w_down"], case["w_gate"], case["w_up"], case["gate_up"],
                                  case["router_weights"], case["schedule"], 7.0, quant_tiles(plan.down_dgrad_tiles, 32),
                                  plan.gate_up_dgrad_tiles, True, None, sync, quant_block=32)[:4]
 
@@ -787,7 +812,7 @@ def test_gpu_cuda_graph_replay():
     """No host sync, and a CUDA graph of the launch (the epoch bump inside) replays to the eager bits, twice."""
     case = gpu_case()
     plan = KernelPlan()
-    sync = ff.new_sync(case["schedule"].capacity // 128, "cuda")
+    sync = new_sync(case["schedule"].capacity // 128, "cuda")
 
     def step():  # integer views: the NaN poison of unwritten rows compares equal
         out = fused(case, 7.0, None, sync, gate_up_tiles=plan.gate_up_tiles, down_tiles=plan.down_tiles)
@@ -831,10 +856,10 @@ def test_layer_with_the_fused_passes_equals_the_staged_layer(kind, precision, mo
 
     launches = []  # (pass, quant_block) of every fused launch
     for name in ("fused_forward", "fused_backward"):
-        def spy(*args, _launch=getattr(ff, name), _name=name, **kwargs):
+        def spy(*args, _launch=getattr(fl, name), _name=name, **kwargs):
             launches.append((_name, kwargs.get("quant_block", 0)))
             return _launch(*args, **kwargs)
-        monkeypatch.setattr(ff, name, spy)
+        monkeypatch.setattr(fl, name, spy)
     fused_out = step(dataclasses.replace(staged_plan, fused_forward=True, fused_backward=True))
     quant_block = 32 if precision == "mxfp8" else 0
     assert launches == [("fused_forward", quant_block), ("fused_backward", quant_block)]

@@ -119,13 +119,13 @@ VARIANTS = {
 
 
 # ---- the block-scaled FP8 grouped GEMMs (gluon_fp8): SEGMENT "rows" (grouped_gemm: K = H, N = I) and "k"
-# (weight_grad: a [2I, R], b [H, R]; and window by window, WINDOW), in the configs gluon_fp8.choose_config picks,
+# (weight_grad: a [2I, R], b [H, R]; and window by window, WINDOW), in the configs serval.plan.fp8_gluon_config picks,
 # and block_n = 64
 
 
 def _fp8_config(config, n, weight_grad=False):
     from serval.kernels import gluon_fp8
-    return config or gluon_fp8.choose_config(n, weight_grad)
+    return config or plan.fp8_gluon_config(n, weight_grad)
 
 
 def _fp8_gemm(config=None):
@@ -139,7 +139,7 @@ def _fp8_gemm(config=None):
         a_scale = torch.ones(schedule.capacity, triton.cdiv(hidden, 128))
         b_scale = torch.ones(E, triton.cdiv(inter, 128), triton.cdiv(hidden, 128))
         out = torch.zeros(schedule.capacity, inter, dtype=torch.bfloat16)
-        assert engine.choose_config(inter) == config or config.block_n == 64
+        assert plan.fp8_gluon_config(inter) == config or config.block_n == 64
         engine.grouped_gemm(a, a_scale, b, b_scale, schedule, out, config)
     return "gluon_fp8", "_fp8_kernel", launch, config, dict(SEGMENT="rows", B_SCALE_GROUP=128)
 
@@ -148,7 +148,7 @@ def _fp8_wgrad(config=None, window=False):
     config = _fp8_config(config, min(SHAPES[s]["hidden"] for s in SHAPES), weight_grad=True)
 
     def launch(engine, t):
-        from serval.kernels.weight_grad import WgradWindow
+        from serval.values import WgradWindow
         from serval.schedule import windows
 
         schedule, hidden, inter = t["schedule"], t["x_rows"].shape[1], t["h"].shape[1]
@@ -159,7 +159,7 @@ def _fp8_wgrad(config=None, window=False):
         b_scale = torch.ones(hidden, schedule.capacity // 128)
         out = torch.zeros(E, 2 * inter, hidden, dtype=torch.bfloat16)
         carries = [torch.zeros(2 * inter, hidden) for _ in range(2)]
-        assert engine.choose_config(hidden, weight_grad=True) == config
+        assert plan.fp8_gluon_config(hidden, weight_grad=True) == config
         engine.weight_grad(a, a_scale, b, b_scale, schedule, out, config,
                            WgradWindow(windows(schedule, schedule.capacity)[0].expert_phase, *carries, (out,))
                            if window else None)
@@ -167,8 +167,7 @@ def _fp8_wgrad(config=None, window=False):
 
 
 def _fp8_bn64():
-    from serval.kernels.gluon_fp8 import Fp8Config
-    return _fp8_gemm(Fp8Config(block_n=64, stages=8))
+    return _fp8_gemm(plan.Fp8GluonConfig(block_n=64, stages=8))
 
 
 FP8_VARIANTS = {

@@ -183,7 +183,7 @@ def windowed_weight_grad(a_data, a_scale, b_data, b_scale, schedule, rows, **kwa
     """fp8_gemm.weight_grad window by window over `rows` rows (serval.schedule.windows), each window's operands
     copied out as the macrobatch ring quantizes them (contiguous [M, window rows]); checks that each launch writes
     only its FINISH experts' outputs, every expert's exactly once, and never its carry_in."""
-    from serval.kernels.weight_grad import WgradWindow
+    from serval.values import WgradWindow
     from serval.schedule import CARRY_OUT, FINISH, windows
 
     m, n, E = a_data.shape[0], b_data.shape[0], schedule.num_experts
@@ -214,7 +214,7 @@ def windowed_weight_grad(a_data, a_scale, b_data, b_scale, schedule, rows, **kwa
 def test_weight_grad_windows_bitwise_one_pass(case):
     """The macrobatch ring's windows (1 and 2 M-tiles, and one window of everything) give the one launch's bits:
     the sums carried in fp32 from window to window, the K steps in the same order."""
-    from serval.kernels.weight_grad import WgradWindow
+    from serval.values import WgradWindow
     from serval.schedule import windows
 
     schedule, operands = window_case(case)

@@ -30,6 +30,7 @@ from serval import stages  # noqa: E402
 from serval.kernels import common, gemm_stages, in_gemm_pull, rows, swiglu  # noqa: E402
 from serval.plan import STAGES, KernelPlan, Target, TileConfig, choose_plan  # noqa: E402
 from serval.schedule import build_schedule, dense_schedule  # noqa: E402
+from serval.values import new_pull_flags  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not common.INTERPRET
 DEVICE = "cuda" if CUDA else "cpu"
@@ -353,7 +354,7 @@ def check_pull(case, world_size, use_tma, limit=None, quant_block=0):
     want = gemm_stages.gate_up_swiglu(x_read, *args, plan=plan)
     dgrad = (case["w_down"], want[0], case["router_weights"], schedule, limit)
     want_dgrad = gemm_stages.down_dgrad_swiglu(rows.gather(x_read, schedule), *dgrad, plan=plan)
-    flags = in_gemm_pull.new_flags(schedule.capacity // 16, x.device)
+    flags = new_pull_flags(schedule.capacity // 16, x.device)
     per_rank = -(-x.shape[0] // world_size) + 1
     padded = torch.full((world_size * per_rank, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
     padded[: x.shape[0]] = x
@@ -510,8 +511,8 @@ def test_plan_rejects_unknown_engines():
 
 def test_pulling_gemms_take_their_tiles_minibatch_by_minibatch(monkeypatch):
     """A GEMM with pull programs groups its tile order by minibatch: KernelPlan.minibatch_rows in whole M-tiles,
-    or MoK's rule (serval.overlap) on the SMs left to compute."""
-    from serval import overlap
+    or MoK's rule (serval.plan) on the SMs left to compute."""
+    from serval import plan
 
     monkeypatch.setattr(common, "num_sms", lambda *a: 132)
     schedule = build_schedule(torch.zeros(64, 2, dtype=torch.long), 4, 128)
@@ -519,7 +520,7 @@ def test_pulling_gemms_take_their_tiles_minibatch_by_minibatch(monkeypatch):
     tiles = TileConfig(128, 128, 64)
     args = (schedule, 7168, 2048, torch.device("cpu"))
     assert gemm_stages._pulling_tiles(tiles, KernelPlan(minibatch_rows=512), pull, *args).group_m == 4
-    rule = overlap.layer_minibatch_rows(7168, 2048, 112, 128)
+    rule = plan.layer_minibatch_rows(7168, 2048, 112, 128)
     assert gemm_stages._pulling_tiles(tiles, KernelPlan(), pull, *args).group_m == rule // 128 == 14
 
 
@@ -534,13 +535,14 @@ from serval.kernels import in_gemm_pull, triton_gemm
 from serval.peers import PeerTokens
 from serval.plan import KernelPlan
 from serval.schedule import build_schedule
+from serval.values import new_pull_flags
 
 hidden, inter, quant_block, E, N, P = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), 4, 256, 2
 schedule = build_schedule(torch.stack([torch.arange(N) % E, (torch.arange(N) + 1) % E], 1), E, 128)
 bf16 = dict(dtype=torch.bfloat16)
 plan = KernelPlan()
 source = PeerTokens(torch.zeros(P, dtype=torch.int64), N // P, 2, hidden, torch.bfloat16, True)
-pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c, *in_gemm_pull.new_flags(schedule.capacity // 128, "cpu"),
+pull = in_gemm_pull.Pull(source, 8, plan.pull_block_c, *new_pull_flags(schedule.capacity // 128, "cpu"),
                          quant_block)
 compile_launch_in_this_child(triton_gemm, "_grouped_gemm_kernel", lambda: triton_gemm.gate_up_swiglu(
     torch.zeros(schedule.capacity, hidden, **bf16), torch.zeros(E, inter, hidden, **bf16),

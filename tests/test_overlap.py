@@ -1,5 +1,5 @@
-"""serval.overlap: MoK's minibatch rule and the EP cost model (pure functions), and the tool that runs the model
-on the measured results (tools/ep_cost_model.py)."""
+"""MoK's minibatch rule (serval.plan) and the EP cost model (serval.overlap), pure functions, and the tool that runs
+the model on the measured results (tools/ep_cost_model.py)."""
 
 import json
 import os
@@ -8,29 +8,29 @@ import sys
 
 import pytest
 
-from serval import overlap
+from serval import overlap, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_minibatch_rule_gives_every_gemm_two_waves():
     # 112 compute SMs, two waves = 224 tiles: 16 tiles per M-tile need 14 M-tiles, 28 need 8: the larger wins
-    assert overlap.minibatch_rows([16, 28], compute_sms=112, block_m=128) == 14 * 128
-    assert overlap.minibatch_rows([1000], compute_sms=112, block_m=128) == 128  # one M-tile is already two waves
-    assert overlap.minibatch_rows([7], compute_sms=3, block_m=64, waves=3) == 2 * 64  # ceil(9 / 7) = 2
+    assert plan.minibatch_rows([16, 28], compute_sms=112, block_m=128) == 14 * 128
+    assert plan.minibatch_rows([1000], compute_sms=112, block_m=128) == 128  # one M-tile is already two waves
+    assert plan.minibatch_rows([7], compute_sms=3, block_m=64, waves=3) == 2 * 64  # ceil(9 / 7) = 2
     for n_tiles, sms, block_m in [([16, 28], 112, 128), ([6, 8], 124, 64), ([3], 7, 16)]:
-        rows = overlap.minibatch_rows(n_tiles, sms, block_m)
+        rows = plan.minibatch_rows(n_tiles, sms, block_m)
         assert rows % block_m == 0
         assert all(rows // block_m * n >= 2 * sms for n in n_tiles)  # two waves for every GEMM
         assert any((rows // block_m - 1) * n < 2 * sms for n in n_tiles)  # and no fewer M-tiles would do
     with pytest.raises(ValueError, match="compute_sms"):
-        overlap.minibatch_rows([16], compute_sms=0, block_m=128)
+        plan.minibatch_rows([16], compute_sms=0, block_m=128)
 
 
 def test_layer_minibatch_rows_on_the_contract_shapes():
     # gate/up writes 128 columns of h a tile, down 256 of o: kimi-k2 (I 2048, H 7168) on 124 compute SMs
-    assert overlap.layer_minibatch_rows(7168, 2048, 124) == 16 * 128  # 2 * 124 / 16 = 15.5 -> 16 M-tiles
-    assert overlap.layer_minibatch_rows(2048, 768, 124) == 42 * 128  # 6 tiles of h: ceil(248 / 6) = 42
+    assert plan.layer_minibatch_rows(7168, 2048, 124) == 16 * 128  # 2 * 124 / 16 = 15.5 -> 16 M-tiles
+    assert plan.layer_minibatch_rows(2048, 768, 124) == 42 * 128  # 6 tiles of h: ceil(248 / 6) = 42
 
 
 def problem_and_rates(**rates):
@@ -60,7 +60,7 @@ def test_cost_model_orders_and_limits():
             slowed / 0.9 + (0 if backward else 0.27))
     ms, comm_sms, minibatch = overlap.best_fused(problem, rates, backward=False)
     assert comm_sms in rates.comm_gbps and minibatch % 128 == 0
-    assert ms == min(overlap.fused_ms(problem, rates, False, c, overlap.layer_minibatch_rows(7168, 2048, 132 - c))
+    assert ms == min(overlap.fused_ms(problem, rates, False, c, plan.layer_minibatch_rows(7168, 2048, 132 - c))
                      for c in rates.comm_gbps)
 
 

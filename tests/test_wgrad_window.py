@@ -1,4 +1,4 @@
-"""The weight-gradient kernel's window mode (serval.kernels.weight_grad.WgradWindow) against one pass.
+"""The weight-gradient kernel's window mode (serval.values.WgradWindow) against one pass.
 
 The routed rows stream through the kernel in windows of whole M-tiles (serval.schedule.windows: the
 macrobatch ring), an expert's fp32 sums carried from window to window in two ping-pong buffers; the result
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from serval.schedule import CARRY_IN, CARRY_OUT, FINISH, build_schedule, windows
+from serval.values import WgradWindow
 
 wg = pytest.importorskip("serval.kernels.weight_grad")
 # the one-pass tests' device, tile rows and routings (that module skips itself where the kernels cannot run)
@@ -54,7 +55,7 @@ def _windowed(a, b, schedule, rows, *, num_outputs, ring=False, **kwargs):
             a_w, b_w = ring_a[:n].copy_(a_w), ring_b[:n].copy_(b_w)
         phase = w.expert_phase.cpu()
         assert ((phase & CARRY_IN) != 0).sum() <= 1 and ((phase & CARRY_OUT) != 0).sum() <= 1
-        window = wg.WgradWindow(w.expert_phase, carries[j % 2], carries[(j + 1) % 2], outs)
+        window = WgradWindow(w.expert_phase, carries[j % 2], carries[(j + 1) % 2], outs)
         before = [_bits(t) for t in (*outs, window.carry_in, window.carry_out)]
         result = wg.grouped_wgrad(a_w, b_w, w.schedule, num_outputs=num_outputs, window=window, **kwargs)
         assert result is outs
@@ -130,10 +131,10 @@ def test_window_stages():
     for j, w in enumerate(windows(schedule, 2 * schedule.block_m)):
         rows = slice(w.start, w.start + w.schedule.capacity)
         bufs = carries["gate_up"]
-        window = wg.WgradWindow(w.expert_phase, bufs[j % 2], bufs[(j + 1) % 2], gate_up)
+        window = WgradWindow(w.expert_phase, bufs[j % 2], bufs[(j + 1) % 2], gate_up)
         assert wg.gate_up_weight_grad(d_gate_up[rows], x, w.schedule, window=window) is gate_up
         bufs = carries["down"]
-        window = wg.WgradWindow(w.expert_phase, bufs[j % 2], bufs[(j + 1) % 2], down)
+        window = WgradWindow(w.expert_phase, bufs[j % 2], bufs[(j + 1) % 2], down)
         assert wg.down_weight_grad(d_y[rows], h[rows], w.schedule, window=window) is down[0]
     for out, ref in zip(gate_up, wg.gate_up_weight_grad(d_gate_up, x, schedule)):
         assert torch.equal(out, ref)
@@ -147,7 +148,7 @@ def test_window_rejects_bad_arguments():
     E, P, Q = 4, 32, 24
     good = dict(expert_phase=w.expert_phase, carry_in=torch.zeros(P, Q, device=DEVICE),
                 carry_out=torch.zeros(P, Q, device=DEVICE), outs=(torch.zeros(E, P, Q, device=DEVICE),))
-    wg.grouped_wgrad(a_w, b_w, w.schedule, window=wg.WgradWindow(**good))
+    wg.grouped_wgrad(a_w, b_w, w.schedule, window=WgradWindow(**good))
     shared = torch.zeros(P + 1, Q, device=DEVICE)
     bad = [
         dict(expert_phase=w.expert_phase.long()),
@@ -165,7 +166,7 @@ def test_window_rejects_bad_arguments():
     ]
     for change in bad:
         with pytest.raises(ValueError):
-            wg.grouped_wgrad(a_w, b_w, w.schedule, window=wg.WgradWindow(**{**good, **change}))
+            wg.grouped_wgrad(a_w, b_w, w.schedule, window=WgradWindow(**{**good, **change}))
 
 
 # ---------------------------------------------------------------- sm_90a, without a GPU
@@ -177,6 +178,7 @@ sys.path.insert(0, "tests")
 from sm90 import compile_launch_in_this_child
 from serval.kernels import weight_grad as wg
 from serval.schedule import build_schedule, windows
+from serval.values import WgradWindow
 
 num_outputs, config, flatten = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "True"
 E, N, P, Q = 8, 512, 1536, 2048
@@ -185,7 +187,7 @@ w = windows(schedule, 256)[0]
 a = torch.zeros(w.schedule.capacity, P, dtype=torch.bfloat16)
 b = torch.zeros(w.schedule.capacity, Q, dtype=torch.bfloat16)
 outs = tuple(torch.zeros(E, P // num_outputs, Q, dtype=torch.bfloat16) for _ in range(num_outputs))
-window = wg.WgradWindow(w.expert_phase, torch.zeros(P, Q), torch.zeros(P, Q), outs)
+window = WgradWindow(w.expert_phase, torch.zeros(P, Q), torch.zeros(P, Q), outs)
 compile_launch_in_this_child(wg, "_wgrad_kernel", lambda: wg.grouped_wgrad(
     a, b, w.schedule, num_outputs=num_outputs, config=config, use_tma=True, flatten=flatten, window=window),
     sys.argv[4])

@@ -13,7 +13,7 @@ as benchmarks/bench_layer.py takes them.
 
 Stages: the four GEMM stages through serval.kernels.gemm_stages with each plan (gate/up + SwiGLU also over rows
 gathered beforehand: "rows given", the GEMM alone), the weight gradients (serval.kernels.weight_grad: "table", the
-config its table picks, and on the GPU each named config of weight_grad.CONFIGS), the row kernels (gather,
+config its table picks, and on the GPU each named config of WGRAD_CONFIGS), the row kernels (gather,
 combine, sum_slots), and on the GPU the torch stages themselves ("torch").
 
 Inputs: bench_layer.make_inputs (bf16, balanced routing), block_m 128 (16 on the CPU), swiglu_limit 7.
@@ -40,7 +40,7 @@ import bench_layer  # noqa: E402  (puts this checkout's serval on the path; with
 
 from serval import stages  # noqa: E402
 from serval.kernels import common, gemm_stages, rows, weight_grad  # noqa: E402
-from serval.plan import KernelPlan, choose_plan  # noqa: E402
+from serval.plan import WGRAD_CONFIGS, KernelPlan, choose_plan  # noqa: E402
 from serval.schedule import build_schedule  # noqa: E402
 
 PEAK_TFLOPS = 793.0
@@ -160,7 +160,7 @@ def bench_shape(name, shape, columns, gpu, results, selected, soak):
          lambda: stages.gate_up_dgrad(d_gate_up, w_gate, w_up, sched), 2 * m * hidden * 2 * inter)
 
     # ---------------------------------------------------------------- weight gradients, per config (whole outputs)
-    configs = {"table": None, **({name: name for name in weight_grad.CONFIGS} if gpu else {})}
+    configs = {"table": None, **({name: name for name in WGRAD_CONFIGS} if gpu else {})}
     each("gate_up_weight_grad", lambda c: weight_grad.gate_up_weight_grad(d_gate_up, x, sched, x_rows=x_rows, config=c),
          configs, lambda: stages.gate_up_weight_grad(d_gate_up, x, sched, x_rows=x_rows), 2 * m * 2 * inter * hidden,
          mask=None)

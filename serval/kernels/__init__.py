@@ -3,12 +3,15 @@ of `serval.stages`, bound to a `serval.plan.KernelPlan` (`KernelStages`).
 
 One module per engine or job:
     gemm_stages.py        the four expert GEMM stages, each routed to the engine its plan names
+    gemm_tile.py          one output tile of a grouped GEMM (K loop, epilogues) and its argument bundles
     triton_gemm.py        the Triton persistent grouped GEMM: every stage, every device, the interpreter
     gluon_cooperative.py  Gluon cooperative 128 x 256 GEMM (sm_90, Triton 3.6): gate/up, down, gate/up dgrad
     gluon_pingpong.py     Gluon ping-pong GEMM (sm_90, Triton 3.6): the down dgrad + SwiGLU backward
     gluon_common.py       the Gluon version gate, descriptors and helpers both Gluon engines use
     in_gemm_pull.py       communication programs inside the gate/up GEMM and the down dgrad (EP pulls under the GEMM)
     fused_pass.py         a pass's two routed GEMMs (and at EP its pull and push) in one persistent launch
+    fused_launch.py       the fused pass's host side: checks, buffers, bundles, launch
+    task_order.py         the fused pass's task order and minibatch
     weight_grad.py        the grouped weight gradients over the token axis
     fp8_gemm.py           block-scaled FP8 grouped GEMM and weight gradient (Triton; Gluon on Hopper)
     gluon_fp8.py          Gluon cooperative FP8 GEMM, the scales applied per 128-K step (sm_90, Triton 3.6)
@@ -40,7 +43,7 @@ class KernelStages:
 
     # down and the gate/up dgrad write their rows into the EP owners' slots themselves (`push_to`)
     pushes_from_epilogue = True
-    # the weight gradients carry fp32 sums across windows of rows (`weight_grad.WgradWindow`): at EP a pass
+    # the weight gradients carry fp32 sums across windows of rows (`serval.values.WgradWindow`): at EP a pass
     # streams its rows through the macrobatch ring (`serval.macrobatch`)
     takes_windows = True
 
@@ -102,7 +105,7 @@ class KernelStages:
     @staticmethod
     def fp8_weight_grad(a, b, schedule, out=None, window=None):
         """`serval.stages.fp8_weight_grad` on the block-scaled FP8 kernels; `window` as the bf16 weight gradients
-        take it (`weight_grad.WgradWindow`, one output)."""
+        take it (`serval.values.WgradWindow`, one output)."""
         return fp8_gemm.weight_grad(a.data, a.scale, b.data, b.scale, schedule, window=window, out=out)
 
 

@@ -18,7 +18,7 @@ Numerics, on every engine: each 128-wide K step's dot product is made from a zer
 promoted once, `acc = fma(part, a_scale * b_scale, acc)` (the scale product in fp32 first), the K steps in
 increasing order into one accumulator; no split-K, no atomics: bitwise identical run to run. weight_grad also runs
 window by window over the rows (the macrobatch ring, `serval.schedule.windows`), the accumulator carried in fp32
-from one window to the next as the bf16 weight gradient does (`weight_grad.WgradWindow`): the same bits.
+from one window to the next as the bf16 weight gradient does (`serval.values.WgradWindow`): the same bits.
 
 Engines:
 
@@ -46,10 +46,11 @@ import triton
 import triton.language as tl
 
 from .. import schedule as _schedule
-from ..plan import GLUON_VERSIONS
+from ..plan import GLUON_VERSIONS, fp8_triton_tiles
 from ..schedule import Schedule
 from . import common, gluon_common
-from .weight_grad import WgradWindow, check_outs, check_window
+from ..values import WgradWindow
+from .weight_grad import check_outs, check_window
 
 SCALE_BLOCK = 128  # elements per scale along K (and along N for the weights)
 FP8 = torch.float8_e4m3fn
@@ -233,23 +234,16 @@ def _upcast(device: torch.device) -> str:
 
 
 def _triton_tiles(segment: str, m_block_limit: int | None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). On a GPU (checked for sm_90 with Triton 3.6, ptxas: no spills):
-    "rows" 128 x 128 x 128, 8 warps, 3 stages (229 registers, 96 KB); "k" 64 x 128 x 128, 4 warps, 4 stages
-    (248 registers; its per-column weight scales cost registers, 128 x 128 spilled). Under the interpreter small
-    tiles (its cost is per op; small tiles exercise the masks and the per-column weight scales).
-    m_block_limit: BLOCK_M must divide it (the schedule's block_m, grouped over rows)."""
-    if common.INTERPRET:
-        block_m, block_n, num_warps, num_stages = 32, 32, 4, 1
-    elif segment == "rows":
-        block_m, block_n, num_warps, num_stages = 128, 128, 8, 3
-    else:
-        block_m, block_n, num_warps, num_stages = 64, 128, 4, 4
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): `serval.plan.fp8_triton_tiles`, BLOCK_M halved until it divides
+    m_block_limit (the schedule's block_m, grouped over rows)."""
+    tiles = fp8_triton_tiles(segment, common.INTERPRET)
+    block_m = tiles.block_m
     if m_block_limit is not None:
         while block_m > 16 and m_block_limit % block_m:
             block_m //= 2
         if m_block_limit % block_m:
             raise ValueError(f"schedule.block_m={m_block_limit} must be a multiple of 16 for the FP8 grouped GEMM")
-    return block_m, block_n, num_warps, num_stages
+    return block_m, tiles.block_n, tiles.num_warps, tiles.num_stages
 
 
 # ---------------------------------------------------------------- public API
@@ -264,8 +258,8 @@ def grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tens
     a_data float8_e4m3fn [R, K], a_scale fp32 [R, ceil(K/128)]; b_data float8_e4m3fn [E, N, K], b_scale fp32
     [E, ceil(N/128), ceil(K/128)]; K % 16 == 0. Rows past the used tiles (>= expert_offsets[E]) are left
     unwritten. `out`: an optional bf16 [R, N] contiguous buffer to write into. `engine`: "auto" (Gluon where it
-    runs and takes the operands, else Triton), "triton" or "gluon"; `config`: a `gluon_fp8.Fp8Config` for the
-    Gluon engine (default: `gluon_fp8.choose_config`)."""
+    runs and takes the operands, else Triton), "triton" or "gluon"; `config`: a `serval.plan.Fp8GluonConfig` for
+    the Gluon engine (default: `serval.plan.fp8_gluon_config`)."""
     _check_fp8("a_data", a_data, 2)
     _check_fp8("b_data", b_data, 3)
     num_rows, k = a_data.shape
@@ -317,7 +311,7 @@ def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tenso
     a_data float8_e4m3fn [M, R] + a_scale fp32 [M, R/128]; b_data float8_e4m3fn [N, R] + b_scale fp32 [N, R/128]
     (R = schedule.capacity, rows along the last, contiguous, dimension; padding rows zero). Needs
     schedule.block_m % 128 == 0 (no 128-row block straddles two experts).
-    `window`: one window of the rows (`weight_grad.WgradWindow` with one output, carries [M, N] fp32; the schedule
+    `window`: one window of the rows (`serval.values.WgradWindow` with one output, carries [M, N] fp32; the schedule
     and the operands are the window's): the sums of an expert with rows before the window start from carry_in,
     those of one with rows after it go to carry_out, and only the window's FINISH experts are written, into
     window.outs[0], which is returned. The window launches in row order give the one launch's bits (the same

@@ -15,11 +15,11 @@ import dataclasses
 
 import torch
 
-from ..overlap import FUSED_COMM_SMS, layer_minibatch_rows
 from ..peers import PeerSlots, PeerTokens
-from ..plan import KernelPlan, TileConfig
+from ..plan import FUSED_COMM_SMS, KernelPlan, TileConfig, layer_minibatch_rows
 from ..schedule import Schedule
-from . import common, fused_pass, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
+from ..values import Sync, new_sync
+from . import common, fused_launch, gluon_common, gluon_cooperative, gluon_pingpong, in_gemm_pull, triton_gemm
 from .rows import gather as gather_rows
 
 
@@ -79,7 +79,7 @@ def gate_up_swiglu(x, w_gate, w_up, schedule: Schedule, swiglu_limit: float | No
                                       plan.use_tma)
 
 
-def _shared_expert(shared, schedule: Schedule) -> fused_pass.SharedExpert | None:
+def _shared_expert(shared, schedule: Schedule) -> fused_launch.SharedExpert | None:
     """A fused pass's `SharedExpert` from the layer's (tokens, ws_gate, ws_up, ws_down, dense schedule[, gate_up]),
     tokens the [N, H] tensor its first GEMM reads (x forward, d_y backward), whose rows it gathers; None without
     one."""
@@ -89,7 +89,7 @@ def _shared_expert(shared, schedule: Schedule) -> fused_pass.SharedExpert | None
     if shared_schedule.block_m != schedule.block_m:
         raise ValueError(f"shared: its schedule's block_m must be the routed schedule's {schedule.block_m}, got "
                          f"{shared_schedule.block_m}")
-    return fused_pass.SharedExpert(gather_rows(tokens, shared_schedule), shared_schedule, ws_gate, ws_up, ws_down,
+    return fused_launch.SharedExpert(gather_rows(tokens, shared_schedule), shared_schedule, ws_gate, ws_up, ws_down,
                                    *gate_up)
 
 
@@ -111,12 +111,12 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
     `down`.
 
     x [N, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]. At EP=1 x's rows are gathered first. pull_from (EP): the
-    owners' token buffers, pulled by plan.pull_programs programs of the launch (0: `overlap.FUSED_COMM_SMS`;
+    owners' token buffers, pulled by plan.pull_programs programs of the launch (0: `plan.FUSED_COMM_SMS`;
     `pull_flags` as gate_up_swiglu's); push_to (EP): the owners' slot buffers, which the down tiles write o's rows
     into. shared: (x [N, H], ws_gate [1, Is, H], ws_up [1, Is, H], ws_down [1, H, Is], its dense schedule): the
     shared expert's two GEMMs join the launch (its tiles first); shared_out is then its (gate_up [N, 2Is], h
     [Rs, Is], o [Rs, H]) on its schedule's Rs rows, else None. quant_block 32 (mxfp8; x and the weights already
-    quantized and dequantized): h reaches down quantized and dequantized (`fused_pass.fused_forward`)."""
+    quantized and dequantized): h reaches down quantized and dequantized (`fused_launch.fused_forward`)."""
     hidden, inter = w_gate.shape[2], w_gate.shape[1]
     pull = None
     if pull_from is not None:
@@ -128,17 +128,17 @@ def gate_up_down(x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit: floa
     shared = _shared_expert(shared, schedule)
     block_m = min(plan.gate_up_tiles.block_m, schedule.block_m)
     sync = _new_sync(schedule, shared, block_m, x.device)
-    return fused_pass.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
+    return fused_launch.fused_forward(a_rows, w_gate, w_up, w_down, schedule, swiglu_limit,
                                     quant_tiles(plan.gate_up_tiles, quant_block), plan.down_tiles, plan.use_tma,
                                     plan.minibatch_rows, sync, pull=pull, push_to=push_to, shared=shared,
                                     quant_block=quant_block)
 
 
-def _new_sync(schedule: Schedule, shared: fused_pass.SharedExpert | None, block_m: int, device) -> fused_pass.Sync:
+def _new_sync(schedule: Schedule, shared: fused_launch.SharedExpert | None, block_m: int, device) -> Sync:
     """A fused launch's sync state for the routed and the shared expert's M-tiles (zeros: three small fills, no
     host sync)."""
     rows = schedule.capacity + (0 if shared is None else shared.schedule.capacity)
-    return fused_pass.new_sync(rows // block_m, device)
+    return new_sync(rows // block_m, device)
 
 
 def down(h, w_down, schedule: Schedule, *, plan: KernelPlan, push_to: PeerSlots | None = None):
@@ -189,18 +189,18 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
                              swiglu_limit: float | None, *, plan: KernelPlan, pull_from: PeerTokens | None = None,
                              pull_flags: tuple[torch.Tensor, torch.Tensor] | None = None,
                              push_to: PeerSlots | None = None, shared=None, quant_block: int = 0):
-    """The backward's routed dgrads in one persistent launch (`fused_pass.fused_backward`, plan.fused_backward):
+    """The backward's routed dgrads in one persistent launch (`fused_launch.fused_backward`, plan.fused_backward):
     d_gate_up [R, 2I], h_weighted [R, I], d_rw_rows fp32 [R], d_x_rows [R, H] (None with push_to) and shared_out,
     bit for bit `down_dgrad_swiglu` then `gate_up_dgrad` on the Triton engine.
 
     Arguments as theirs. pull_from (EP, with pull_flags): d_y_rows is an empty [R, H] buffer that
-    plan.dgrad_pull_programs (0: `overlap.FUSED_COMM_SMS`) programs of the launch fill from the owners' token
+    plan.dgrad_pull_programs (0: `plan.FUSED_COMM_SMS`) programs of the launch fill from the owners' token
     buffers (d_y); push_to (EP): the gate/up dgrad tiles write d_x's rows into the owners' slots. shared: (d_y
     [N, H], ws_gate, ws_up, ws_down, its dense schedule, its forward's gate_up [N, 2Is]): the shared expert's two
     dgrads join the launch (its tiles first, router weights 1); shared_out is then its (d_y_rows [Rs, H],
     d_gate_up [Rs, 2Is], h [Rs, Is], d_x_rows [Rs, H]) on its schedule's Rs rows, else None. quant_block 32
     (mxfp8; d_y, the weights and gate_up already quantized and dequantized): d_gate_up reaches the gate/up dgrad
-    quantized and dequantized (`fused_pass.fused_backward`)."""
+    quantized and dequantized (`fused_launch.fused_backward`)."""
     hidden, inter = w_down.shape[1], w_down.shape[2]
     if gate_up.shape != (schedule.num_packed, 2 * inter):
         raise ValueError(f"gate_up must be the packed pre-activations [{schedule.num_packed}, {2 * inter}] "
@@ -212,7 +212,7 @@ def down_dgrad_gate_up_dgrad(d_y_rows, w_down, w_gate, w_up, gate_up, router_wei
     shared = _shared_expert(shared, schedule)
     block_m = min(plan.down_dgrad_tiles.block_m, schedule.block_m)
     sync = _new_sync(schedule, shared, block_m, d_y_rows.device)
-    d_gate_up, h_weighted, d_rw_partial, d_x_rows, shared_out = fused_pass.fused_backward(
+    d_gate_up, h_weighted, d_rw_partial, d_x_rows, shared_out = fused_launch.fused_backward(
         d_y_rows, w_down, w_gate, w_up, gate_up, router_weights.contiguous().view(-1).float(), schedule,
         swiglu_limit, quant_tiles(plan.down_dgrad_tiles, quant_block), plan.gate_up_dgrad_tiles, plan.use_tma,
         plan.minibatch_rows, sync, pull=pull, push_to=push_to, shared=shared, quant_block=quant_block)

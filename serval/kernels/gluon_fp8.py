@@ -36,12 +36,12 @@ unconditionally by the same program.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import triton
 
 from .. import schedule as _schedule
+from ..plan import Fp8GluonConfig, fp8_gluon_config
 from ..schedule import Schedule
 from . import common, gluon_common
 
@@ -50,32 +50,13 @@ BLOCK_K = 128  # one scale block per K step
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Config:
-    """A launch configuration of the Gluon FP8 engine (tile 128 x block_n x 128)."""
-
-    block_n: int = 128  # 64 or 128: 128 keeps 64 acc + 64 partial fp32 per consumer thread
-    stages: int = 6  # ring depth: a stage is 16 KB of A + block_n x 128 B of weights
-    group_m: int = 8  # tile order, as TileConfig.group_m
-    epi_split: int = 4  # the epilogue in this many column chunks (16-byte pointer stores)
-
-    def __post_init__(self):
-        if self.block_n not in (64, 128):
-            raise ValueError(f"Fp8Config.block_n must be 64 or 128, got {self.block_n}")
-        stage_bytes = (BLOCK_M + self.block_n) * (BLOCK_K + 4)  # fp8 operands and, for weight_grad, fp32 scales
-        if not 2 <= self.stages or self.stages * stage_bytes > SM90_SHARED - 10240:
-            raise ValueError(f"Fp8Config.stages={self.stages}: {stage_bytes} B a stage does not fit sm_90's "
-                             f"shared memory with room for the epilogue's layout conversions")
-
-
-def choose_config(n: int, weight_grad: bool = False) -> Fp8Config:
-    """128-wide N tiles (the widest whose 64 + 64 fp32 registers fit a consumer), 64 for outputs no wider than
-    64. The row-grouped GEMMs take as many stages as fit 227 KB beside ~8 KB of epilogue scratch (6 of 33 KB,
-    8 of 24.8 KB); the weight gradient 4 (its K loops are one expert's rows, a few dozen steps; on the H200, 4
-    was within the call-to-call spread of 6 or ahead of it, docs/reports/2026-12-02-fp8-scales-quantizer.md)."""
-    if n <= 64:
-        return Fp8Config(block_n=64, stages=4 if weight_grad else 8)
-    return Fp8Config(block_n=128, stages=4 if weight_grad else 6)
+def _check_config(config: Fp8GluonConfig) -> None:
+    """ValueError unless the config's ring of stages fits sm_90's shared memory beside the epilogue's layout
+    conversions (each stage: fp8 operands and, for weight_grad, fp32 scales)."""
+    stage_bytes = (BLOCK_M + config.block_n) * (BLOCK_K + 4)
+    if config.stages * stage_bytes > SM90_SHARED - 10240:
+        raise ValueError(f"Fp8GluonConfig.stages={config.stages}: {stage_bytes} B a stage does not fit sm_90's "
+                         f"shared memory with room for the epilogue's layout conversions")
 
 
 if gluon_common.GLUON:
@@ -307,7 +288,7 @@ if gluon_common.GLUON:
 
 def _launch(a2d, b2d, a_scale, b_scale, out, schedule: Schedule, *, segment: str, m: int, n: int, k: int,
             a_scale_strides: tuple, b_scale_strides: tuple, b_scale_group: int, out_strides: tuple, num_tiles_max: int,
-            config: Fp8Config, window=None):
+            config: Fp8GluonConfig, window=None):
     num_programs = max(1, min(common.num_sms(a2d.device.index), num_tiles_max))
     a_desc, b_desc = _descriptor(a2d, [BLOCK_M, BLOCK_K]), _descriptor(b2d, [config.block_n, BLOCK_K])
     if segment == "k":  # [KB, rows padded] tables: a step's scales of a tile are one contiguous run
@@ -325,11 +306,12 @@ def _launch(a2d, b2d, a_scale, b_scale, out, schedule: Schedule, *, segment: str
         E_PAD=triton.next_power_of_2(schedule.num_experts), num_warps=4, maxnreg=168)
 
 
-def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None):
+def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8GluonConfig | None = None):
     """`fp8_gemm.grouped_gemm` on this engine (operands already checked there): writes out bf16 [R, N]."""
     num_rows, k = a_data.shape
     num_experts, n, _ = b_data.shape
-    config = config or choose_config(n)
+    config = config or fp8_gluon_config(n)
+    _check_config(config)
     if num_rows == 0 or n == 0:
         return out
     num_tiles_max = (num_rows // BLOCK_M) * common.cdiv(n, config.block_n)
@@ -339,13 +321,14 @@ def grouped_gemm(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, conf
     return out
 
 
-def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8Config | None = None,
+def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, config: Fp8GluonConfig | None = None,
                 window=None):
     """`fp8_gemm.weight_grad` on this engine (operands and `window` already checked there): writes out bf16
     [E, M, N] (with a window: its FINISH experts' gradients, and the CARRY_OUT expert's sums to its carry)."""
     m, num_rows = a_data.shape
     n = b_data.shape[0]
-    config = config or choose_config(n, weight_grad=True)
+    config = config or fp8_gluon_config(n, weight_grad=True)
+    _check_config(config)
     if out.numel() == 0:
         return out
     num_tiles_max = schedule.num_experts * common.cdiv(m, BLOCK_M) * common.cdiv(n, config.block_n)

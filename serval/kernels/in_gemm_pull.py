@@ -32,7 +32,7 @@ from . import quantize
 
 class Pull(NamedTuple):
     """What the GEMM needs to pull its own rows: where the owners' tokens are, how many programs pull and
-    how many columns a step, and the flags (int32 [>= M-tiles]) and epoch (int32 [1]) of `new_flags`.
+    how many columns a step, and the flags (int32 [>= M-tiles]) and epoch (int32 [1]) of `serval.values.new_pull_flags`.
     quant_block > 0 (mxfp8): A gets the rows E8M0 round-tripped (`pull_tiles`), and raw_rows, if given (a
     contiguous buffer shaped as A), the rows as pulled."""
 
@@ -45,47 +45,83 @@ class Pull(NamedTuple):
     raw_rows: torch.Tensor | None = None
 
 
+class PullTables(NamedTuple):
+    """The pull's runtime arguments in a kernel: the owners' token buffers (an int64 address per rank) holding
+    slots_per_rank = N * top_k sources each, the flags and the epoch, and raw (`Pull.raw_rows`) or None."""
+
+    table: torch.Tensor
+    slots_per_rank: int
+    top_k: int
+    flags: torch.Tensor
+    epoch: torch.Tensor
+    raw: torch.Tensor | None
+
+
+class PullSteps(NamedTuple):
+    """The pull's constexprs: PROGRAMS pull programs, BLOCK_C columns a step, ALIGNED 16-byte rows (`PeerTokens`),
+    QUANT_BLOCK (mxfp8 round trip, 0: none), PROXY_FENCE (the compute programs read A through TMA) and
+    PRINT_TIMEOUTS (a wait that times out says which M-tile: see `wait_until`)."""
+
+    PROGRAMS: int
+    BLOCK_C: int
+    ALIGNED: bool
+    QUANT_BLOCK: int
+    PROXY_FENCE: bool
+    PRINT_TIMEOUTS: bool
+
+
 def step_columns(block_c: int, quant_block: int, k: int) -> int:
     """Columns a pull program moves a step: block_c, at most K's next power of two; with a round trip (quant_block,
     mxfp8) two whole blocks (wider steps spill registers on sm_90a)."""
     return 2 * quant_block if quant_block else min(block_c, triton.next_power_of_2(k))
 
 
-def new_flags(num_m_tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flags int32 [num_m_tiles], epoch int32 [1]), zeros: allocate once per workspace, before any CUDA graph
-    capture, and reuse (the flags only ever hold past epochs)."""
-    return (torch.zeros(max(num_m_tiles, 1), dtype=torch.int32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device))
+def kernel_arguments(pull: Pull, k: int, num_programs: int, num_m_tiles: int, proxy_fence: bool,
+                     print_timeouts: bool) -> tuple[PullTables, PullSteps]:
+    """The pull's (PullTables, PullSteps) in a launch of num_programs programs (at least one computes) whose A has
+    k columns and num_m_tiles M-tiles; bumps the epoch on the device: once per launch."""
+    if pull.flags.numel() < num_m_tiles:
+        raise ValueError(f"pull flags: {pull.flags.numel()} flags for {num_m_tiles} M-tiles")
+    pull.epoch.add_(1)
+    source = pull.source
+    tables = PullTables(source.table, source.num_tokens * source.top_k, source.top_k, pull.flags, pull.epoch,
+                        pull.raw_rows)
+    steps = PullSteps(max(1, min(pull.programs, num_programs - 1)), step_columns(pull.block_c, pull.quant_block, k),
+                      source.aligned, pull.quant_block, proxy_fence, print_timeouts)
+    return tables, steps
 
 
 @triton.jit
-def pull_tiles(table_ptr, row_source_ptr, a_ptr, stride_a, flags_ptr, epoch, num_m_tiles, slots_per_rank, top_k, K,
-               raw_ptr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PULL_PROGRAMS: tl.constexpr,
-               ALIGNED: tl.constexpr, PROXY_FENCE: tl.constexpr, QUANT_BLOCK: tl.constexpr, KEEP_RAW: tl.constexpr):
-    """A communication program: M-tiles p, p + PULL_PROGRAMS, ... of A pulled from the owners' token buffers
-    (zeros on padding rows), each published with flag = epoch once all its rows are stored. QUANT_BLOCK > 0
-    (mxfp8: `fused_pass`, and the staged GEMMs' pulls): A gets the rows quantized in (1, QUANT_BLOCK) E8M0 blocks
-    and dequantized (`quantize.e8m0_round_trip`; BLOCK_C a multiple of the block), and with KEEP_RAW raw_ptr (A's
-    layout) the rows as pulled."""
-    for m_tile in range(tl.program_id(0), num_m_tiles, PULL_PROGRAMS):
+def pull_tiles(pull, a, row_source_ptr, epoch, num_m_tiles, K, BLOCK_M: tl.constexpr, P: tl.constexpr):
+    """A communication program: M-tiles p, p + P.PROGRAMS, ... of A (`gemm_tile.Rows`) pulled from the owners' token
+    buffers (`PullTables`; zeros on padding rows), each published with flag = epoch once all its rows are stored.
+    P.QUANT_BLOCK > 0 (mxfp8: `fused_pass`, and the staged GEMMs' pulls): A gets the rows quantized in
+    (1, QUANT_BLOCK) E8M0 blocks and dequantized (`quantize.e8m0_round_trip`; BLOCK_C a multiple of the block),
+    and pull.raw (A's layout), where given, the rows as pulled."""
+    PROGRAMS: tl.constexpr = P.PROGRAMS
+    BLOCK_C: tl.constexpr = P.BLOCK_C
+    ALIGNED: tl.constexpr = P.ALIGNED
+    QUANT_BLOCK: tl.constexpr = P.QUANT_BLOCK
+    PROXY_FENCE: tl.constexpr = P.PROXY_FENCE
+    for m_tile in range(tl.program_id(0), num_m_tiles, PROGRAMS):
         rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         source = tl.load(row_source_ptr + rows).to(tl.int64)
         valid = source >= 0
-        peer = peers.peer_rows(table_ptr, tl.where(valid, source, 0), valid, slots_per_rank, K, top_k,
-                               True, ALIGNED, a_ptr.dtype.element_ty)
+        peer = peers.peer_rows(pull.table, tl.where(valid, source, 0), valid, pull.slots_per_rank, K, pull.top_k,
+                               True, ALIGNED, a.ptr.dtype.element_ty)
         for c0 in range(0, K, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             values = tl.load(peer[:, None] + cols[None, :], mask=valid[:, None] & (cols < K)[None, :], other=0.0)
-            offsets = rows.to(tl.int64)[:, None] * stride_a + cols[None, :]
+            offsets = rows.to(tl.int64)[:, None] * a.stride + cols[None, :]
             if QUANT_BLOCK > 0:
-                if KEEP_RAW:
-                    tl.store(raw_ptr + offsets, values, mask=(cols < K)[None, :])
+                if pull.raw is not None:
+                    tl.store(pull.raw + offsets, values, mask=(cols < K)[None, :])
                 values = quantize.e8m0_round_trip(values, QUANT_BLOCK)
-            tl.store(a_ptr + offsets, values, mask=(cols < K)[None, :])
+            tl.store(a.ptr + offsets, values, mask=(cols < K)[None, :])
         if PROXY_FENCE:  # the compute programs read these rows with TMA (the async proxy): order them for it
             tl.inline_asm_elementwise("fence.proxy.async.global;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()  # every thread's stores are done before the flag's release
-        tl.atomic_xchg(flags_ptr + m_tile, epoch, sem="release", scope="gpu")
+        tl.atomic_xchg(pull.flags + m_tile, epoch, sem="release", scope="gpu")
 
 
 # spins of about a microsecond each: a wait gives up after ~10 s

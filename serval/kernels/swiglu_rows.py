@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import QuantizedTensor
 from ..schedule import Schedule, packed_index
+from ..values import QuantizedTensor
 from . import common, quantize, swiglu as swiglu_math
 
 BLOCK_ROWS = 16  # rows a program (a [16, 128] tile, 4 warps): the fastest of a sweep on the H200 (reports)

@@ -45,21 +45,22 @@ One persistent kernel, `_wgrad_kernel`:
   window launches run the same steps on the same fp32 accumulator as one launch over all rows: the same
   bits. WINDOW is a constexpr: without it none of this is compiled in.
 
-Configs come from a fixed table (`pick_config`), never from timing.
+Configs come from a fixed table (`serval.plan.wgrad_config`), never from timing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import schedule as _schedule
-from ..weight_layout import dense_rows
+from ..plan import WGRAD_CONFIGS, WgradConfig, wgrad_config
 from ..schedule import Schedule
+from ..values import WgradWindow
+from ..weight_layout import dense_rows
 from . import common
 from .rows import gather as gather_rows
 
@@ -73,51 +74,6 @@ _CARRIES: tl.constexpr = tl.constexpr(_schedule.CARRY_IN | _schedule.CARRY_OUT)
 
 
 # ---------------------------------------------------------------- configs
-
-@dataclasses.dataclass(frozen=True)
-class WgradConfig:
-    """One tile shape. block_k must divide the schedule's block_m (a K step never crosses experts)."""
-
-    block_p: int
-    block_q: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    group_p: int = 8  # GROUP_P P-tiles sweep the Q-tiles together: concurrent programs reuse A and B strips in L2
-    epilogue_subtile: bool = False  # store the [BP, BQ] tile as two [BP, BQ/2] halves (less shared memory)
-    flatten: bool = False  # one pipelined loop over all K steps of all tiles (no bubble between tiles)
-
-
-# Named configs for Hopper (bf16): 128x256x64 / 8 warps / 3 stages is the tile at which Triton's persistent
-# TMA GEMM reaches cuBLAS there; the others are alternatives a benchmark can name. All compile for sm_90 with
-# Triton 3.6 without spills (shared memory: 213 KB for 128x256 / 3 stages, 229 KB for 4 stages with the split
-# epilogue, of 227 KiB).
-CONFIGS = types.MappingProxyType({
-    "128x256": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
-    "128x256-nested": WgradConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=False),
-    "128x256s": WgradConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True),
-    "256x128": WgradConfig(256, 128, 64, num_warps=8, num_stages=3, flatten=True),
-    "128x128": WgradConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
-})
-
-
-def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
-    return max(floor, min(cap, triton.next_power_of_2(n)))
-
-
-def pick_config(p_out: int, q: int, block_m: int) -> WgradConfig:
-    """The deterministic config table: a function of the shapes only."""
-    if common.INTERPRET:
-        # the interpreter's cost is per op: small tiles keep the tiny CI shapes fast and exercise masking
-        bp, bq = _pow2_at_most(p_out, 32), _pow2_at_most(q, 32)
-        return WgradConfig(bp, bq, min(16, block_m), num_warps=4, num_stages=2, group_p=2, flatten=True)
-    if p_out >= 128 and q >= 256:
-        return CONFIGS["128x256"]
-    if p_out >= 128 and q >= 128:
-        return CONFIGS["128x128"]
-    bp, bq = _pow2_at_most(p_out, 128), _pow2_at_most(q, 128)
-    return WgradConfig(bp, bq, 64, num_warps=4, num_stages=4, flatten=True)
-
 
 def _resolve_block_k(config: WgradConfig, block_m: int) -> WgradConfig:
     block_k = min(config.block_k, block_m)
@@ -455,25 +411,6 @@ def _wgrad_kernel(
 
 # ---------------------------------------------------------------- host side
 
-@dataclasses.dataclass(frozen=True)
-class WgradWindow:
-    """One window's launch of `grouped_wgrad` (see `serval.schedule.windows`; the schedule passed is the window's).
-
-    A caller loops over the windows in row order with the same `outs`, swapping the carries each time
-    (window j: carry_in = buf[j % 2], carry_out = buf[(j + 1) % 2]), and reads `outs` after the last window.
-    At most one expert per window has CARRY_IN and one CARRY_OUT (possibly the same one): the carries hold one
-    expert's sums, and they are separate buffers because the CARRY_OUT expert's tiles may be written while
-    another program still reads the CARRY_IN expert's.
-    """
-
-    expert_phase: torch.Tensor  # [E] int32: serval.schedule.CARRY_IN | CARRY_OUT | FINISH
-    carry_in: torch.Tensor  # [P, Q] fp32 (row out * P_OUT + p), read for the CARRY_IN expert
-    carry_out: torch.Tensor  # [P, Q] fp32, written for the CARRY_OUT expert
-    # num_outputs [E, P_OUT, Q] in a's dtype, rows dense, one layout (the halves of a joined gate/up gradient, or
-    # contiguous tensors), written for FINISH experts
-    outs: tuple[torch.Tensor, ...]
-
-
 def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether the storage spans of two contiguous tensors intersect."""
     x0, y0 = x.data_ptr(), y.data_ptr()
@@ -535,7 +472,7 @@ def grouped_wgrad(
     """The kernel's entry point: `num_outputs` tensors [E, P / num_outputs, Q] in a's dtype.
 
     a [R, P], b [R, Q]: routed rows (R = schedule.capacity), one dtype (bf16, fp16 or fp32). `config` (a WgradConfig
-    or a CONFIGS name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
+    or a `serval.plan.WGRAD_CONFIGS` name), `use_tma` and `flatten` override the table (benchmarks and tests); `lpt=False` deals tiles in
     plain expert order. None of these change the result.
     `window`: one window of the rows (schedule and a, b are the window's); returns `window.outs`, where only
     the window's FINISH experts are written. `out`: where to write the outputs without a window (`check_outs`:
@@ -559,9 +496,9 @@ def grouped_wgrad(
     P_out = P // num_outputs
 
     if config is None:
-        config = pick_config(P_out, Q, schedule.block_m)
+        config = wgrad_config(P_out, Q, schedule.block_m, common.INTERPRET)
     elif isinstance(config, str):
-        config = CONFIGS[config]
+        config = WGRAD_CONFIGS[config]
     config = _resolve_block_k(config, schedule.block_m)
 
     if window is None and out is None:
@@ -624,9 +561,9 @@ def down_weight_grad(d_y_rows: torch.Tensor, h_weighted: torch.Tensor, schedule:
                      window: WgradWindow | None = None) -> torch.Tensor:
     """d_w_down [E, H, I] = d_y_rows[seg].T @ h_weighted[seg]; d_y_rows [R, H], h_weighted [R, I].
 
-    Where the table picks 128x256, this gradient takes the 4-stage split-store variant, the faster one for it.
-    `window`: one window of the rows (see `grouped_wgrad`); returns window.outs[0].
+    Its tiles: `serval.plan.wgrad_config` for the down gradient. `window`: one window of the rows (see
+    `grouped_wgrad`); returns window.outs[0].
     """
-    if config is None and pick_config(d_y_rows.shape[1], h_weighted.shape[1], schedule.block_m) is CONFIGS["128x256"]:
-        config = "128x256s"
+    if config is None:
+        config = wgrad_config(d_y_rows.shape[1], h_weighted.shape[1], schedule.block_m, common.INTERPRET, down=True)
     return grouped_wgrad(d_y_rows, h_weighted, schedule, config=config, window=window)[0]
