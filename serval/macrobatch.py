@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from . import precision, stages, weight_layout
+from . import passes, precision, stages, weight_layout
 from .ops import dequantize
-from .pass_plan import PULLED_BY_GEMM, PassPlan
+from .pass_plan import PULLED_BY_GEMM, PassPlan, RowsFrom
 from .passes import Routed, RoutedGrads, shared_after_launch
 from .peers import PeerTokens
 from .schedule import Schedule, Window, slot_schedule, windows
@@ -43,60 +43,33 @@ from .values import WgradWindow
 
 def forward(plan: PassPlan, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace,
             shared_launch=None, expert_weights=None) -> Routed:
-    """The routed experts of a forward at EP, streamed, each window staged or fused as plan.forward says.
+    """The streamed strategy of a forward at EP: `serval.passes.forward_compute` (each window staged or fused, as
+    plan.forward says) window by window, inside one pull and one push phase.
 
     x [N, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]; schedule: the rank's (worst-case capacity).
     shared_launch: on a fused pass, the shared expert's (x, weights, dense schedule), whose tiles join the first
-    window's launch. An FP8 recipe's GEMMs read the weights in their form (`precision.gemm_weights`, made once
-    here from expert_weights or the weights)."""
-    ops, recipe, direction = plan.ops, plan.recipe, plan.forward
+    window's launch. A window's x rows are read into the workspace's ring first, unless its GEMM pulls them."""
     transport = workspace.transport
-    parts = windows(schedule, workspace.ring_rows)
-    first, shared_out = [], [None]
-    fused = direction.fused
-    made = None if recipe is None else precision.gemm_weights(recipe, w_gate, w_up, w_down, expert_weights,
-                                                              ("gate_up", "down"))
-    # the launch or the gate/up GEMM pulls x's rows itself, else they are pulled into a ring buffer first
-    gemm_pulls = direction.rows_in == PULLED_BY_GEMM
+    compute = passes.forward_compute(plan, x, w_gate, w_up, w_down, swiglu_limit, shared_launch, expert_weights)
+    gemm_pulls = plan.forward.rows_in == PULLED_BY_GEMM
     x_ring = None if gemm_pulls else workspace.ring("x", x)
-    quant_block = 0 if recipe is None else recipe.block
-    if fused and recipe is not None:  # mxfp8: the launch reads the dequantized weights
-        (w_gate, w_up), w_down = made.gate_up, made.down
+    first = []  # what the first window keeps, and the shared expert's outputs
 
     def write(target):
         def consume(source):
-            for window in parts:
+            for window in windows(schedule, workspace.ring_rows):
                 s = window.schedule
-                if fused:  # pull (mxfp8: round-tripped by the pull programs), both GEMMs and push in one launch
-                    gate_up, h, _, made_shared = ops.gate_up_down(x, w_gate, w_up, w_down, s, swiglu_limit,
-                                                                  pull_from=source, pull_flags=workspace.pull_flags,
-                                                                  push_to=target,
-                                                                  shared=None if first else shared_launch,
-                                                                  quant_block=quant_block)
-                    if not first:
-                        shared_out[0] = made_shared
-                        first.append(gate_up if recipe is None else precision.keep(recipe, gate_up, h))
-                    continue
-                x_rows, pull = None, dict(pull_from=source, pull_flags=workspace.pull_flags)
-                if not gemm_pulls:
-                    x_rows, pull = transport.read_rows(source, s.row_source, x_ring[: s.capacity]), None
-                if recipe is None:
-                    gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, s, swiglu_limit,
-                                                    **(pull or dict(a_rows=x_rows)))
-                    ops.down(h, w_down, s, push_to=target)
-                    if not first:
-                        first.append(gate_up)
-                else:  # the recipe's staged experts on the pulled rows (quantized after the pull, or by the pull)
-                    o_rows, kept = precision.forward(ops, recipe, x, x_rows, w_gate, w_up, w_down, s, swiglu_limit,
-                                                     made, push_to=target, keeps=not first, pull=pull)
-                    if o_rows is not None:  # an FP8 GEMM, which does not push from its epilogue, made the rows
-                        transport.write_rows(o_rows, s.row_source, target)
-                    if not first:
-                        first.append(kept)
+                rows_from = (RowsFrom(peers=source, flags=workspace.pull_flags) if gemm_pulls else
+                             RowsFrom(transport.read_rows(source, s.row_source, x_ring[: s.capacity])))
+                o_rows, kept, shared_made = compute(s, rows_from, target, not first)
+                if o_rows is not None:  # an FP8 GEMM, which does not push from its epilogue, made the rows
+                    transport.write_rows(o_rows, s.row_source, target)
+                if not first:
+                    first.append((kept, shared_made))
         transport.pull_into(consume, x)
 
     slots = transport.push_from(write, w_down.shape[1], x.dtype)
-    return Routed(slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), first[0], shared_out[0])
+    return Routed(slots, slot_schedule(transport.num_tokens, transport.top_k, slots.device), *first[0])
 
 
 def _carry(window: Window, index: int, carries: torch.Tensor, outs: tuple[torch.Tensor, ...]):

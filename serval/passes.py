@@ -18,7 +18,7 @@ from .pass_plan import GATHERED, PULLED_BY_GEMM, PUSHED_BY_GEMM, Direction, Pass
 from .peers import push_keywords
 from .schedule import Schedule, slot_schedule
 
-__all__ = ["Routed", "RoutedGrads", "through", "staged_forward", "fused_forward", "staged_backward",
+__all__ = ["Routed", "RoutedGrads", "through", "forward_compute", "forward", "staged_backward",
            "fused_backward", "expert_backward", "shared_weights", "shared_gate_up", "shared_after_launch",
            "router_weight_grad"]
 
@@ -102,44 +102,61 @@ def shared_gate_up(ops, x, shared, shared_schedule, swiglu_limit):
 
 # ---------------------------------------------------------------- forward
 
-def staged_forward(plan: PassPlan, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace,
-                   shared_launch=None, expert_weights=None) -> Routed:
-    """One launch per GEMM stage: gate/up + SwiGLU, then down (an FP8 recipe's passes, `precision.forward`)."""
-    ops, recipe = plan.ops, plan.recipe
+def forward_compute(plan: PassPlan, x, w_gate, w_up, w_down, swiglu_limit, shared_launch=None, expert_weights=None):
+    """The routed experts' forward on one schedule's rows, as plan.forward.window runs it: compute(schedule,
+    rows_from, push_to, first) -> (o's rows [R, H], or None where push_to took them; what backward keeps (bf16: the
+    pre-activations, FP8: `precision.Kept`) and, where the shared expert's tiles ran in the launch, its (gate_up, h,
+    o), both None unless `first`, the pass's only or first window).
 
-    def compute(rows_from: RowsFrom, push_to):
+    Staged: one launch per GEMM stage (an FP8 recipe's passes, `precision.forward`; its FP8 GEMMs return o's rows
+    even with push_to: they do not push from their epilogue). Fused: both GEMMs in one launch (`gate_up_down`,
+    KernelPlan.fused_forward), the shared expert's tiles (`shared_launch`: its (x, weights, dense schedule)) first
+    in the first window's; mxfp8 reads the dequantized operands (`precision.fused_forward_operands`), quantizes h
+    between the GEMMs and keeps what the staged path keeps. The weights in an FP8 recipe's form are made here, once
+    for every window."""
+    ops, recipe = plan.ops, plan.recipe
+    if plan.forward.fused:
+        quant_block = 0
+        if recipe is not None:
+            x, w_gate, w_up, w_down = precision.fused_forward_operands(recipe, x, w_gate, w_up, w_down,
+                                                                       expert_weights, at_ep=plan.ep_size > 1)
+            quant_block = recipe.block
+
+        def fused(schedule: Schedule, rows_from: RowsFrom, push_to, first: bool):
+            gate_up, h, o, shared_made = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit,
+                                                          shared=shared_launch if first else None,
+                                                          quant_block=quant_block, **(rows_from.pull or {}),
+                                                          **push_keywords(push_to))
+            if not first:
+                return o, None, None
+            return o, gate_up if recipe is None else precision.keep(recipe, gate_up, h), shared_made
+        return fused
+    made = None if recipe is None else precision.gemm_weights(recipe, w_gate, w_up, w_down, expert_weights,
+                                                              ("gate_up", "down"))
+
+    def staged(schedule: Schedule, rows_from: RowsFrom, push_to, first: bool):
         if recipe is None:
             gate_up, h = ops.gate_up_swiglu(x, w_gate, w_up, schedule, swiglu_limit, **rows_from.kwargs())
-            return ops.down(h, w_down, schedule, **push_keywords(push_to)), gate_up
-        return precision.forward(ops, recipe, x, rows_from.rows, w_gate, w_up, w_down, schedule, swiglu_limit,
-                                 expert_weights, push_to=push_to, pull=rows_from.pull)
+            return ops.down(h, w_down, schedule, **push_keywords(push_to)), gate_up if first else None, None
+        o, kept = precision.forward(ops, recipe, x, rows_from.rows, w_gate, w_up, w_down, schedule, swiglu_limit,
+                                    made, push_to=push_to, keeps=first, pull=rows_from.pull)
+        return o, kept, None
+    return staged
 
-    return Routed(*through(plan.forward, workspace, x, schedule, w_down.shape[1], x.dtype, compute), None)
 
+def forward(plan: PassPlan, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace,
+            shared_launch=None, expert_weights=None) -> Routed:
+    """The staged and the fused strategy: `forward_compute` once over all the rows, its rows in and out as
+    plan.forward says (`through`)."""
+    compute = forward_compute(plan, x, w_gate, w_up, w_down, swiglu_limit, shared_launch, expert_weights)
 
-def fused_forward(plan: PassPlan, x, w_gate, w_up, w_down, schedule: Schedule, swiglu_limit, workspace,
-                  shared_launch=None, expert_weights=None) -> Routed:
-    """Both routed GEMMs in one launch (`gate_up_down`, KernelPlan.fused_forward), the shared expert's tiles first
-    in it (`shared_launch`: its (x, weights, dense schedule)); at EP its programs pull x's rows and push o's.
-    mxfp8: the launch reads the dequantized operands (`precision.fused_forward_operands`) and quantizes h between
-    the GEMMs, and the forward keeps what the staged path keeps."""
-    ops, recipe = plan.ops, plan.recipe
-    quant_block = 0
-    if recipe is not None:
-        x, w_gate, w_up, w_down = precision.fused_forward_operands(recipe, x, w_gate, w_up, w_down, expert_weights,
-                                                                   at_ep=plan.ep_size > 1)
-        quant_block = recipe.block
+    def all_rows(rows_from: RowsFrom, push_to):
+        o, kept, shared_made = compute(schedule, rows_from, push_to, True)
+        return o, (kept, shared_made)
 
-    def compute(rows_from: RowsFrom, push_to):
-        gate_up, h, o, shared_made = ops.gate_up_down(x, w_gate, w_up, w_down, schedule, swiglu_limit,
-                                                      shared=shared_launch, quant_block=quant_block,
-                                                      **(rows_from.pull or {}), **push_keywords(push_to))
-        return o, (gate_up, h, shared_made)
-
-    rows, rows_schedule, (gate_up, h, shared_made) = through(plan.forward, workspace, x, schedule, w_down.shape[1],
-                                                             x.dtype, compute)
-    keeps = gate_up if recipe is None else precision.keep(recipe, gate_up, h)
-    return Routed(rows, rows_schedule, keeps, shared_made)
+    rows, rows_schedule, (kept, shared_made) = through(plan.forward, workspace, x, schedule, w_down.shape[1],
+                                                       x.dtype, all_rows)
+    return Routed(rows, rows_schedule, kept, shared_made)
 
 
 # ---------------------------------------------------------------- backward
