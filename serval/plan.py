@@ -1,4 +1,8 @@
-"""`KernelPlan`: which engine and which tiles run each GEMM stage of the layer, as one frozen value.
+"""The one home of serval's tuning: `KernelPlan`, which engine and which tiles run each GEMM stage of the layer, as
+one frozen value; and every other tile table of the kernels, each a pure function of the shapes and the target:
+the weight gradients' (`wgrad_config`), the block-scaled FP8 GEMMs' (`fp8_triton_tiles`, `fp8_gluon_config`), the
+FP8 quantizer's (`quantize_tiles`), and the overlap at expert parallelism (MoK's minibatch rule, `minibatch_rows`,
+and the fused passes' communication SMs, `FUSED_COMM_SMS`). docs/DESIGN.md sums up the choices and the evidence.
 
 A plan is chosen by `choose_plan`, a pure function of the problem (hidden size, dtype) and of where it
 runs (`Target`: device capability, Triton release, interpreter), and is passed down to every kernel
@@ -105,15 +109,13 @@ class KernelPlan:
     gate/up tiles also round-trip h through its E8M0 blocks for down; fp8_blockwise runs staged); at EP its
     first `pull_programs` programs (0: `serval.plan.FUSED_COMM_SMS`, the cost model's 8) pull x's rows and its
     down tiles push o's rows into the owners' slots: dispatch, experts and combine in one launch; the shared
-    expert's two GEMMs join it, their tiles first (at EP: in the first macrobatch window's launch). Off: measured
-    slower than the staged launches at EP=1 (docs/reports/2026-12-02-fp8-wgrad-fusion-fused-forward.md,
-    2026-12-03-shared-expert-in-fused-launch.md); not measured at EP.
+    expert's two GEMMs join it, their tiles first (at EP: in the first macrobatch window's launch). Off by default
+    (docs/DESIGN.md, "The plan's choices": slower than the staged launches at EP=1, not yet timed at EP).
     `fused_backward`: the same for the backward's down dgrad (with the SwiGLU backward) and gate/up dgrad: one
     launch on the Triton tiles above (mxfp8 where I % 32 == 0: d_gate_up round-tripped for the gate/up dgrad); at
     EP its first `dgrad_pull_programs` programs (0: FUSED_COMM_SMS) pull d_y's
     rows and its gate/up dgrad tiles push d_x's rows into the owners' slots; the shared expert's two dgrads join it,
-    their tiles first. Off: measured slower than the staged launches at EP=1
-    (docs/reports/2026-12-02-fused-backward.md); not measured at EP.
+    their tiles first. Off by default, as fused_forward.
     """
 
     gate_up_engine: Literal["triton", "cooperative"] = "triton"
@@ -197,8 +199,8 @@ def choose_plan(hidden: int, dtype: torch.dtype, target: Target) -> KernelPlan:
 # ---------------------------------------------------------------- the overlap at expert parallelism
 
 # The communication SMs of a fused pass at EP where none are set (Config.comm_sms_* None or 0): the EP cost model's
-# choice, forward and backward, for every contract EP shape at EP = 8 (`serval.overlap`; docs/reports/
-# 2026-12-01-ep-cost-model.md, benchmarks/results/ep_model_predictions.json); not yet timed on several GPUs.
+# choice, forward and backward, for every contract EP shape at EP = 8 (`serval.overlap`,
+# benchmarks/results/ep_model_predictions.json); not yet timed on several GPUs.
 FUSED_COMM_SMS = 8
 
 
@@ -318,8 +320,20 @@ class Fp8GluonConfig:
 def fp8_gluon_config(n: int, weight_grad: bool = False) -> Fp8GluonConfig:
     """128-wide N tiles (the widest whose 64 + 64 fp32 registers fit a consumer), 64 for outputs no wider than
     64. The row-grouped GEMMs take as many stages as fit 227 KB beside ~8 KB of epilogue scratch (6 of 33 KB,
-    8 of 24.8 KB); the weight gradient 4 (its K loops are one expert's rows, a few dozen steps; on the H200, 4
-    was within the call-to-call spread of 6 or ahead of it, docs/reports/2026-12-02-fp8-scales-quantizer.md)."""
+    8 of 24.8 KB); the weight gradient 4 (its K loops are one expert's rows, a few dozen steps: a deeper ring
+    does not pay there)."""
     if n <= 64:
         return Fp8GluonConfig(block_n=64, stages=4 if weight_grad else 8)
     return Fp8GluonConfig(block_n=128, stages=4 if weight_grad else 6)
+
+
+def quantize_tiles(block: tuple[int, int]) -> tuple[int, int, int]:
+    """(TILE_R, TILE_C, num_warps) of the FP8 quantizer (`serval.kernels.quantize`) for a block shape: the fastest
+    of a sweep on the H200 over the FP8 layer's own calls; 2K-16K elements a program, rows of >= 64 bytes on both
+    sides of a transposed store."""
+    rows, cols = block
+    if rows == 1:
+        return (64, 32, 2) if cols == 32 else (32, 128, 4)
+    if cols == 1:
+        return (32, 64, 2) if rows == 32 else (128, 64, 4)
+    return (32, 32, 2) if rows == 32 else (128, 128, 4)

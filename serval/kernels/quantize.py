@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import quantize_tiles
 from . import common
 
 _EXACT_ROUND: tl.constexpr = tl.constexpr(common.INTERPRET)  # `quantize_values`' EXACT_ROUND in jitted callers
@@ -190,18 +191,6 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
         tl.store(deq_ptr + e * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :], deq, mask=mask)
 
 
-def _tile(block: tuple[int, int]) -> tuple[int, int, int]:
-    """(TILE_R, TILE_C, num_warps) for a block shape: the fastest of a sweep on the H200 over the FP8 layer's
-    own calls (docs/reports/2026-12-02-fp8-scales-quantizer.md); 2K-16K elements a program, rows of >= 64
-    bytes on both sides of a transposed store."""
-    br, bc = block
-    if br == 1:
-        return (64, 32, 2) if bc == 32 else (32, 128, 4)
-    if bc == 1:
-        return (32, 64, 2) if br == 32 else (128, 64, 4)
-    return (32, 32, 2) if br == 32 else (128, 128, 4)
-
-
 def empty_quantized(data_shape, scale_shape, fp32_scale: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Output buffers (`common.empty`) of a quantization: E4M3 data, and fp32 or E8M0 (uint8) scales."""
     if fp32_scale:
@@ -230,7 +219,7 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
         data, scale = empty_quantized((num_e, C, R) if transpose else (num_e, R, C),
                                       (num_e, n_c, n_r) if transpose else (num_e, n_r, n_c), fp32_scale, device)
     deq = common.empty((num_e, R, C), torch.float32 if fp32_scale else torch.bfloat16, device) if dequantized else None
-    tile_r, tile_c, num_warps = _tile(block)
+    tile_r, tile_c, num_warps = quantize_tiles(block)
     n_tiles_c = common.cdiv(C, tile_c)
     grid = (common.cdiv(R, tile_r) * n_tiles_c, num_e)
     if grid[0] and num_e:
