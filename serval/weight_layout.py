@@ -69,8 +69,3 @@ def joined(d_gate: torch.Tensor, d_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("d_gate and d_up must be the two halves of one [E, 2I, H] tensor")
     num_experts, inter, hidden = d_gate.shape
     return d_gate.as_strided((num_experts, 2 * inter, hidden), (2 * inter * hidden, hidden, 1))
-
-
-def joined_weight(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """[w_gate; w_up] along dim 1, [E, 2I, H]: the joined tensor itself when they are its halves, else a copy."""
-    return joined(w_gate, w_up) if is_joined(w_gate, w_up) else torch.cat([w_gate, w_up], dim=1)

@@ -54,6 +54,50 @@ ROUTINGS = {
 MINIBATCHES = {"1_tile": BLOCK_M, "2_tiles": 2 * BLOCK_M, "all": 1 << 20, "mok": None}
 
 
+FIRST, SECOND = 0, 1  # the GEMM of a task (forward: gate/up, down; backward: down dgrad, gate/up dgrad)
+
+
+def _tile_coords(tile_id: int, num_m_tiles: int, num_n_tiles: int, group_m: int) -> tuple[int, int]:
+    """`common.tile_coords` in Python (the same arithmetic, for `task_order`)."""
+    tiles_per_group = group_m * num_n_tiles
+    first_m = (tile_id // tiles_per_group) * group_m
+    group_size = min(num_m_tiles - first_m, group_m)
+    return first_m + (tile_id % tiles_per_group) % group_size, (tile_id % tiles_per_group) // group_size
+
+
+def task_order(num_m_tiles: int, n_tiles_first: int, n_tiles_second: int, minibatch_m_tiles: int,
+               group_m: int | None = None) -> list[tuple[int, int, int]]:
+    """A fused pass's tasks in the order programs take them: [(gemm, m_tile, n_tile)], gemm FIRST or SECOND.
+
+    F(0), F(1), S(0), F(2), S(1), ..., F(nb - 1), S(nb - 2), S(nb - 1), where F(b) / S(b) are the first and second
+    GEMM's tiles of minibatch b (M-tiles [b * MB, min((b + 1) * MB, num_m_tiles)), MB = minibatch_m_tiles), each
+    in its GEMM's staged tile order with GROUP_M = group_m (default MB; MB must be a multiple of it unless one
+    minibatch holds every M-tile). `task_order.task_coords` decodes a task id to the same triple: the
+    Python statement the device decode is checked against."""
+    for name, value in (("num_m_tiles", num_m_tiles), ("n_tiles_first", n_tiles_first),
+                        ("n_tiles_second", n_tiles_second), ("minibatch_m_tiles", minibatch_m_tiles)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "num_m_tiles" else 1):
+            raise ValueError(f"task_order: {name} must be an int >= {0 if name == 'num_m_tiles' else 1}, got {value!r}")
+    mb = minibatch_m_tiles
+    group = mb if group_m is None else group_m
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1 or (mb % group and mb < num_m_tiles):
+        raise ValueError(f"task_order: group_m must be an int >= 1 dividing minibatch_m_tiles={mb} (unless one "
+                         f"minibatch holds all {num_m_tiles} M-tiles), got {group_m!r}")
+    num_minibatches = -(-num_m_tiles // mb)
+
+    def tiles(gemm, b):
+        n = n_tiles_first if gemm == FIRST else n_tiles_second
+        size = min(num_m_tiles - b * mb, mb)
+        return [(gemm, *_tile_coords(b * mb * n + i, num_m_tiles, n, group)) for i in range(size * n)]
+
+    if num_minibatches == 0:
+        return []
+    order = tiles(FIRST, 0)
+    for b in range(1, num_minibatches):
+        order += tiles(FIRST, b) + tiles(SECOND, b - 1)
+    return order + tiles(SECOND, num_minibatches - 1)
+
+
 @triton.jit
 def _task_order_kernel(out_ptr, num_m_tiles, n_first, n_second, MB: tl.constexpr, GROUP_M: tl.constexpr):
     """out[t] = (is_second, m_tile, n_tile) of every task id t, as the fused kernel decodes it."""
@@ -66,7 +110,7 @@ def _task_order_kernel(out_ptr, num_m_tiles, n_first, n_second, MB: tl.constexpr
 
 def device_task_order(num_m_tiles: int, n_tiles_first: int, n_tiles_second: int, minibatch_m_tiles: int,
                       group_m: int | None = None, device="cpu") -> list[tuple[int, int, int]]:
-    """`task_order.task_order` as the kernel decodes it on the device (`task_order.task_coords`)."""
+    """`task_order` as the kernel decodes it on the device (`task_order.task_coords`)."""
     num_tasks = num_m_tiles * (n_tiles_first + n_tiles_second)
     out = torch.full((max(num_tasks, 1), 3), -1, dtype=torch.int32, device=device)
     _task_order_kernel[(1,)](out, num_m_tiles, n_tiles_first, n_tiles_second, MB=minibatch_m_tiles,
@@ -150,31 +194,31 @@ ORDER_SIZES = [(0, 3, 2, 1), (1, 1, 1, 1), (1, 3, 4, 5), (5, 2, 3, 1), (5, 2, 3,
 
 
 def check_order(order, num_m, n_first, n_second, mb):
-    everything = [(to.FIRST, m, n) for m in range(num_m) for n in range(n_first)] + \
-                 [(to.SECOND, m, n) for m in range(num_m) for n in range(n_second)]
+    everything = [(FIRST, m, n) for m in range(num_m) for n in range(n_first)] + \
+                 [(SECOND, m, n) for m in range(num_m) for n in range(n_second)]
     assert sorted(order) == sorted(everything) and len(order) == len(everything)  # every task exactly once
     position = {task: i for i, task in enumerate(order)}
     for m in range(num_m):  # an S tile comes after every F tile of its M-tile
-        last_first = max(position[(to.FIRST, m, n)] for n in range(n_first))
-        assert all(position[(to.SECOND, m, n)] > last_first for n in range(n_second))
+        last_first = max(position[(FIRST, m, n)] for n in range(n_first))
+        assert all(position[(SECOND, m, n)] > last_first for n in range(n_second))
     # minibatch by minibatch: F(0), F(1), S(0), F(2), S(1), ..., S(last)
     segments = [(gemm, m // mb) for gemm, m, _ in order]
     runs = [s for i, s in enumerate(segments) if i == 0 or s != segments[i - 1]]
     num_minibatches = -(-num_m // mb)
-    want = [(to.FIRST, 0)] + [s for b in range(1, num_minibatches) for s in ((to.FIRST, b), (to.SECOND, b - 1))]
-    assert runs == (want + [(to.SECOND, num_minibatches - 1)] if num_m else [])
+    want = [(FIRST, 0)] + [s for b in range(1, num_minibatches) for s in ((FIRST, b), (SECOND, b - 1))]
+    assert runs == (want + [(SECOND, num_minibatches - 1)] if num_m else [])
 
 
 @pytest.mark.parametrize("num_m, n_first, n_second, mb", ORDER_SIZES)
 def test_task_order(num_m, n_first, n_second, mb):
-    check_order(to.task_order(num_m, n_first, n_second, mb), num_m, n_first, n_second, mb)
+    check_order(task_order(num_m, n_first, n_second, mb), num_m, n_first, n_second, mb)
 
 
 def test_task_order_small_example():
     """3 M-tiles, minibatches of 2, the first GEMM 2 N-tiles, the second 1: within a minibatch M-tiles vary fastest
     (GROUP_M)."""
-    F, S = to.FIRST, to.SECOND
-    assert to.task_order(3, 2, 1, 2) == [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),  # F(0)
+    F, S = FIRST, SECOND
+    assert task_order(3, 2, 1, 2) == [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),  # F(0)
                                          (F, 2, 0), (F, 2, 1),  # F(1)
                                          (S, 0, 0), (S, 1, 0),  # S(0)
                                          (S, 2, 0)]  # S(1)
@@ -185,32 +229,32 @@ def test_task_order_is_each_gemms_staged_order(group_m):
     """Restricted to one GEMM, the order is that GEMM's staged launch with GROUP_M = group_m (default: the
     minibatch's M-tiles)."""
     num_m, n_first, n_second, mb = 11, 3, 2, 4
-    order = to.task_order(num_m, n_first, n_second, mb, group_m)
+    order = task_order(num_m, n_first, n_second, mb, group_m)
     check_order(order, num_m, n_first, n_second, mb)
     group = group_m or mb
-    for gemm, n in ((to.FIRST, n_first), (to.SECOND, n_second)):
-        assert [t[1:] for t in order if t[0] == gemm] == [to._tile_coords(i, num_m, n, group) for i in range(num_m * n)]
+    for gemm, n in ((FIRST, n_first), (SECOND, n_second)):
+        assert [t[1:] for t in order if t[0] == gemm] == [_tile_coords(i, num_m, n, group) for i in range(num_m * n)]
 
 
 @pytest.mark.parametrize("num_m, n_first, n_second, mb", [s for s in ORDER_SIZES if s[0] * (s[1] + s[2]) <= 120])
 def test_device_decode_matches_task_order(num_m, n_first, n_second, mb):
     """The kernel's decode of a task id (`_task_coords`, run in a kernel) gives `task_order`'s entry."""
-    want = to.task_order(num_m, n_first, n_second, mb)
+    want = task_order(num_m, n_first, n_second, mb)
     assert device_task_order(num_m, n_first, n_second, mb, device=DEVICE) == want
     group = 2 if mb % 2 == 0 else 1
     assert (device_task_order(num_m, n_first, n_second, mb, group, device=DEVICE)
-            == to.task_order(num_m, n_first, n_second, mb, group))
+            == task_order(num_m, n_first, n_second, mb, group))
 
 
 def test_task_order_errors():
     with pytest.raises(ValueError, match="group_m"):
-        to.task_order(9, 2, 2, 4, 3)  # minibatches of 4 M-tiles would not start on groups of 3
+        task_order(9, 2, 2, 4, 3)  # minibatches of 4 M-tiles would not start on groups of 3
     with pytest.raises(ValueError, match="minibatch_m_tiles"):
-        to.task_order(3, 2, 2, 0)
+        task_order(3, 2, 2, 0)
     with pytest.raises(ValueError, match="n_tiles_second"):
-        to.task_order(3, 2, 0, 1)
+        task_order(3, 2, 0, 1)
     with pytest.raises(ValueError, match="num_m_tiles"):
-        to.task_order(-1, 2, 2, 1)
+        task_order(-1, 2, 2, 1)
 
 
 # ---------------------------------------------------------------- fused == staged, bit for bit
