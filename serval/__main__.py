@@ -32,6 +32,9 @@ def train(args, device, dtype, precision="bf16") -> tuple[list[float], dict[str,
                           config=serval.Config(precision=precision), device=device, dtype=dtype)
 
     teacher, student = block(1234).requires_grad_(False), block(args.seed, precision)
+    shared = tuple(student.shared[name].weight for name in ("gate", "up", "down"))
+    x = torch.empty(args.tokens, args.hidden, device=device, dtype=dtype)
+    print("  " + str(serval.functional.plan_pass(student.config, x, student.w_gate, shared)).replace("\n", "\n  "))
     with torch.no_grad():
         teacher.router.weight.mul_(50)  # a decisive teacher router: routing is part of what must be learned
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr)

@@ -56,7 +56,7 @@ __all__ = [
     "Workspace", "ErrorFlags", "get_workspace", "create_workspace", "workspace_by_id", "build_schedule",
     "build_ep_schedule", "gather_routing", "ep_schedule",
     "dense_schedule", "ForwardContext", "Grads", "forward", "backward", "recompute_forward_context",
-    "select_backend",
+    "select_backend", "plan_pass",
 ]
 
 

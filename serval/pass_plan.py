@@ -56,23 +56,22 @@ class Direction:
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
     """One call's decisions (see the module docstring). ops: `serval.stages` or `serval.kernels.KernelStages`;
-    recipe: the FP8 recipe (`serval.precision.Recipe`), None in bf16; ep_size: the EP group's size;
-    ring_rows: the rows of one streamed window (0 where nothing streams)."""
+    recipe: the FP8 recipe (`serval.precision.Recipe`), None in bf16; dtype: the tokens' (the routed experts compute
+    in it where there is no recipe); ep_size: the EP group's size; ring_rows: the rows of one streamed window (0 where
+    nothing streams)."""
 
     ops: object
     recipe: precision.Recipe | None
+    dtype: torch.dtype
     ep_size: int
     forward: Direction
     backward: Direction
     ring_rows: int = 0
 
-    @property
-    def precision(self) -> str:
-        return "bf16" if self.recipe is None else self.recipe.name
-
     def __str__(self) -> str:
         engine = "torch stages" if self.ops is stages else f"kernels ({_engines(self.ops.plan)})"
-        lines = [f"serval pass plan: {self.precision} routed experts on the {engine}, EP={self.ep_size}"
+        numerics = str(self.dtype).removeprefix("torch.") if self.recipe is None else self.recipe.name
+        lines = [f"serval pass plan: routed experts in {numerics} on the {engine}, EP={self.ep_size}"
                  + (f", ring of {self.ring_rows} rows" if self.ring_rows else "")]
         for name, d in (("forward", self.forward), ("backward", self.backward)):
             how = d.strategy if d.strategy != STREAMED else f"streamed, each window {d.window}"
@@ -152,11 +151,11 @@ def plan_pass(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None
     """The `PassPlan` of a call with tokens x [N, H], routed weights w_gate [E, I, H] (for I), the shared
     expert's weights or None, and the workspace (None at EP=1 without one)."""
     ops = select_backend(config, x, w_gate, shared)
-    return _plan(ops, precision.recipe_of(config.precision), w_gate.shape[1], shared is not None,
+    return _plan(ops, precision.recipe_of(config.precision), x.dtype, w_gate.shape[1], shared is not None,
                  None if workspace is None or workspace.transport is None else workspace)
 
 
-def _plan(ops, recipe, inter: int, has_shared: bool, workspace) -> PassPlan:
+def _plan(ops, recipe, dtype: torch.dtype, inter: int, has_shared: bool, workspace) -> PassPlan:
     ep = workspace is not None
     # at EP, on stages whose weight gradients carry sums across windows, when the ring holds fewer rows than the
     # worst case: the rows stream through the ring
@@ -174,7 +173,7 @@ def _plan(ops, recipe, inter: int, has_shared: bool, workspace) -> PassPlan:
             rows_in=(PULLED_BY_GEMM if gemm_pulls else PULLED) if ep else GATHERED,
             rows_out=(PUSHED_BY_GEMM if gemm_pushes else PUSHED) if ep else STORED,
             shared_in_launch=has_shared and fused))
-    return PassPlan(ops, recipe, workspace.ep_size if ep else 1, *directions,
+    return PassPlan(ops, recipe, dtype, workspace.ep_size if ep else 1, *directions,
                     ring_rows=workspace.ring_rows if streamed else 0)
 
 

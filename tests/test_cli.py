@@ -81,10 +81,13 @@ TINY = ["demo", "--device", "cpu", "--steps", "2", "--tokens", "16", "--hidden",
 
 
 def test_demo_says_what_runs(capsys):
-    """On the CPU the bf16 precision trains in fp32, routed experts included: the first line says so."""
+    """On the CPU the bf16 precision trains in fp32, routed experts included: the first line and the pass plan say
+    so."""
     assert main(TINY) == 0
-    first_line = capsys.readouterr().out.splitlines()[0]
-    assert "on cpu (fp32 weights and activations, routed experts in fp32)" in first_line, first_line
+    lines = capsys.readouterr().out.splitlines()
+    assert "on cpu (fp32 weights and activations, routed experts in fp32)" in lines[0], lines[0]
+    # each run prints its pass plan (serval.functional.plan_pass), which names the experts' numerics too
+    assert "serval pass plan: routed experts in float32 on the torch stages, EP=1" in lines[2], lines[2]
 
 
 def test_diverged_demo_compares_bits_and_exits_3(capsys):

@@ -30,7 +30,7 @@ def test_torch_stages_run_staged_and_gathered():
     for direction in (plan.forward, plan.backward):
         assert (direction.strategy, direction.rows_in, direction.rows_out) == ("staged", "gathered", "stored")
     text = str(plan)
-    assert "bf16 routed experts on the torch stages, EP=1" in text and "forward: staged" in text
+    assert "routed experts in bfloat16 on the torch stages, EP=1" in text and "forward: staged" in text
 
 
 def kernel_config(precision="bf16", **plan):
