@@ -142,7 +142,7 @@ class Grads(NamedTuple):
 
 
 _FORWARD = {STAGED: passes.forward, FUSED: passes.forward, STREAMED: macrobatch.forward}
-_BACKWARD = {STAGED: passes.staged_backward, FUSED: passes.fused_backward, STREAMED: macrobatch.backward}
+_BACKWARD = {STAGED: passes.backward, FUSED: passes.backward, STREAMED: macrobatch.backward}
 # the shared expert outside the routed launch: its own tokens, never moved, one launch per stage
 _SHARED_BACKWARD = Direction(STAGED, STAGED, GATHERED, STORED, shared_in_launch=False)
 

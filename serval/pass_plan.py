@@ -1,6 +1,6 @@
 """`PassPlan`: how one call of the layer runs its forward and backward, decided once and passed down as a value.
 
-`plan_pass` resolves, at the start of a call, everything that used to be asked again at every level: the stage
+`plan_pass` resolves, at the start of a call, everything the levels below it would otherwise ask again: the stage
 implementations (`select_backend`: the torch stages or the kernels bound to a `KernelPlan`), the precision recipe,
 and for each pass (`Direction`)
 

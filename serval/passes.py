@@ -18,9 +18,8 @@ from .pass_plan import GATHERED, PULLED_BY_GEMM, PUSHED_BY_GEMM, Direction, Pass
 from .peers import push_keywords
 from .schedule import Schedule, slot_schedule
 
-__all__ = ["Routed", "RoutedGrads", "through", "forward_compute", "forward", "staged_backward",
-           "fused_backward", "expert_backward", "shared_weights", "shared_gate_up", "shared_after_launch",
-           "router_weight_grad"]
+__all__ = ["Routed", "RoutedGrads", "through", "forward_compute", "forward", "backward", "expert_backward",
+           "shared_weights", "shared_gate_up", "shared_after_launch", "router_weight_grad"]
 
 
 class Routed(NamedTuple):
@@ -256,17 +255,29 @@ def _dgrad_rows_out(ops, direction: Direction, d_gate_up, w_gate, w_up, schedule
     return rows_out(ops.gate_up_dgrad(d_gate_up, w_gate, w_up, schedule), schedule, transport)
 
 
-def staged_backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, keeps, w_gate, w_up, w_down,
-                    swiglu_limit, workspace, weight_grads: bool, shared_d_x=None, shared_launch=None,
-                    shared_weight_grads=True, expert_weights=None) -> RoutedGrads:
-    """One launch per GEMM stage (an FP8 recipe's passes, `precision.backward`). At EP an FP8 recipe pulls x's
-    rows (for the weight gradients, by every rank whatever its weights need) and d_y's (or its down dgrad pulls
-    them), and pushes d_x's rows after its gate/up dgrad or from its epilogue."""
-    ops, recipe = plan.ops, plan.recipe
-    if recipe is None:
-        return expert_backward(ops, plan.backward, d_y, x, row_router_weights, schedule, keeps, w_gate, w_up,
+def backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, keeps, w_gate, w_up, w_down,
+             swiglu_limit, workspace, weight_grads: bool, shared_d_x=None, shared_launch=None, shared_weight_grads=True,
+             expert_weights=None) -> RoutedGrads:
+    """The staged and the fused strategy of a backward, over all the rows, with its rows in and out as
+    plan.backward says: bf16 `expert_backward`; an FP8 recipe's passes staged (`_recipe_staged_backward`) or, in
+    mxfp8, fused (`_recipe_fused_backward`). keeps: what the forward kept (bf16 the pre-activations, FP8
+    `precision.Kept`)."""
+    if plan.recipe is None:
+        return expert_backward(plan.ops, plan.backward, d_y, x, row_router_weights, schedule, keeps, w_gate, w_up,
                                w_down, swiglu_limit, workspace, weight_grads, shared_d_x, shared_launch,
                                shared_weight_grads)
+    strategy = _recipe_fused_backward if plan.backward.fused else _recipe_staged_backward
+    return strategy(plan, d_y, x, row_router_weights, schedule, keeps, w_gate, w_up, w_down, swiglu_limit, workspace,
+                    weight_grads, shared_d_x, shared_launch, shared_weight_grads, expert_weights)
+
+
+def _recipe_staged_backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, keeps, w_gate, w_up,
+                            w_down, swiglu_limit, workspace, weight_grads: bool, shared_d_x, shared_launch,
+                            shared_weight_grads, expert_weights) -> RoutedGrads:
+    """An FP8 recipe's passes, one launch per GEMM stage (`precision.backward`). At EP it pulls x's rows (for the
+    weight gradients, by every rank whatever its weights need) and d_y's (or its down dgrad pulls them), and pushes
+    d_x's rows after its gate/up dgrad or from its epilogue."""
+    ops, recipe = plan.ops, plan.recipe
     transport = _transport(workspace)
     x_rows = pulled_into = None
     if transport is not None:
@@ -287,18 +298,14 @@ def staged_backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedu
                        None)
 
 
-def fused_backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, keeps, w_gate, w_up, w_down,
-                   swiglu_limit, workspace, weight_grads: bool, shared_d_x=None, shared_launch=None,
-                   shared_weight_grads=True, expert_weights=None) -> RoutedGrads:
-    """Both routed dgrads in one launch (`down_dgrad_gate_up_dgrad`, KernelPlan.fused_backward), the shared
-    expert's first in it; the weight gradients after it. mxfp8: on the dequantized operands, the weight
-    gradients as staged, from d_y's and x's rows quantized along tokens (at EP d_y's as the launch pulled them,
-    x's pulled after it by every rank, whatever its weights need)."""
+def _recipe_fused_backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, keeps, w_gate, w_up,
+                           w_down, swiglu_limit, workspace, weight_grads: bool, shared_d_x, shared_launch,
+                           shared_weight_grads, expert_weights) -> RoutedGrads:
+    """mxfp8's two routed dgrads in one launch (`down_dgrad_gate_up_dgrad`, KernelPlan.fused_backward) on the
+    dequantized operands, the shared expert's first in it; the weight gradients after it as staged, from d_y's and
+    x's rows quantized along tokens (at EP d_y's as the launch pulled them, x's pulled after it by every rank,
+    whatever its weights need)."""
     ops, recipe = plan.ops, plan.recipe
-    if recipe is None:
-        return expert_backward(ops, plan.backward, d_y, x, row_router_weights, schedule, keeps, w_gate, w_up,
-                               w_down, swiglu_limit, workspace, weight_grads, shared_d_x, shared_launch,
-                               shared_weight_grads)
     transport = _transport(workspace)
     d_y_in, down_t, gate_t, up_t, gate_up = precision.fused_backward_operands(
         recipe, d_y, keeps, w_gate, w_up, w_down, expert_weights, at_ep=transport is not None)
