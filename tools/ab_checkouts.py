@@ -1,6 +1,7 @@
 """Is this checkout slower than another one (the main it came from)? `benchmarks/bench_layer.py` of each checkout,
-its own serval, run shape by shape in alternating order (A B, then B A the next round), so that the GPU's clock
-drift at its power cap hits both alike; a table of the medians per shape and pass, and the ratio.
+its own serval, run shape by shape in alternating order (A B for one shape, B A for the next, and the other way
+round the next round), so that the GPU's clock drift at its power cap hits both alike; a table of the medians per
+shape and pass, and the ratio.
 
     python tools/ab_checkouts.py --other ../old-main --shapes kimi-k2,qwen3-30b-a3b --out ab.json
     python tools/ab_checkouts.py --report ab.json
@@ -65,8 +66,8 @@ def main() -> int:
     checkouts = {"this": ROOT, "other": os.path.abspath(args.other)}
     records = []
     for round_index in range(args.rounds):
-        for shape in args.shapes.split(","):
-            order = ("this", "other") if round_index % 2 == 0 else ("other", "this")
+        for shape_index, shape in enumerate(args.shapes.split(",")):
+            order = ("this", "other") if (round_index + shape_index) % 2 == 0 else ("other", "this")
             for which in order:
                 for record in run(checkouts[which], shape, shlex.split(args.bench_args)):
                     records.append(dict(record, checkout=which, round=round_index))
