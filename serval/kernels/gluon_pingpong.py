@@ -35,11 +35,10 @@ to waits on other programs and GPUs.
 
 from __future__ import annotations
 
-import torch
-
 from ..plan import GluonConfig
 from ..schedule import Schedule, packed_index
-from . import common, gluon_common, swiglu, triton_gemm
+from . import common, gluon_common, swiglu
+from .gemm_tile import check_d_rw_chunks, new_d_rw_partial
 
 if gluon_common.GLUON:
     from triton.experimental import gluon
@@ -258,10 +257,10 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     num_experts, hidden, inter = w_down.shape
     num_rows, block_m = schedule.capacity, 128
     num_n_tiles = common.cdiv(inter, block_n)
-    triton_gemm.check_d_rw_chunks("pingpong", block_n, config.epi_split)
+    check_d_rw_chunks("pingpong", block_n, config.epi_split)
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
-    d_rw_partial = triton_gemm.new_d_rw_partial(num_rows, inter, gate_up.device)
+    d_rw_partial = new_d_rw_partial(num_rows, inter, gate_up.device)
     views = (gate_up[:, :inter], gate_up[:, inter:], d_gate_up[:, :inter], d_gate_up[:, inter:], h_weighted)
     max_tiles = (schedule.capacity // block_m) * num_n_tiles
     num_programs = max(1, min(common.num_sms(d_y_rows.device.index), max_tiles))
