@@ -124,7 +124,6 @@ VARIANTS = {
 
 
 def _fp8_config(config, n, weight_grad=False):
-    from serval.kernels import gluon_fp8
     return config or plan.fp8_gluon_config(n, weight_grad)
 
 
