@@ -2,8 +2,6 @@
 nothing lost (inputs unchanged, the process and the device usable). Expert ids out of range on the
 no-sync path: NaN that step, a ValueError in a later call."""
 
-import re
-
 import pytest
 import torch
 
