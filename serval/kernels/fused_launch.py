@@ -22,8 +22,8 @@ from ..schedule import Schedule
 from . import common, in_gemm_pull
 from ..values import Sync
 from .fused_pass import ExpertGroup, Pass, SyncTables, fused_pass_kernel
-from .gemm_tile import (Operands, Outputs, Rows, SwigluBackwardInputs, Variant, check_d_rw_chunks, check_operands,
-                        new_d_rw_partial, push_to as push_bundle, schedule_tables, tile, tma_compatible,
+from .gemm_tile import (Operands, Outputs, SwigluBackwardInputs, Variant, check_d_rw_chunks, check_operands,
+                        new_d_rw_partial, push_to as push_bundle, operand_rows, schedule_tables, tile, tma_compatible,
                         weights_in_place)
 from .task_order import minibatch_m_tiles
 from .triton_gemm import tma_operands
@@ -180,10 +180,6 @@ def _check_launch(what: str, a_rows, schedule: Schedule, hidden: int, swiglu_lim
     return block_m, shared_inter
 
 
-def _rows(t: torch.Tensor) -> Rows:
-    return Rows(t, t.stride(0), t.shape[0])
-
-
 def _launch(routed: ExpertGroup, shared: ExpertGroup | None, *, backward: bool, schedule: Schedule,
             shared_schedule: Schedule | None, swiglu_limit, first_tiles: TileConfig, second_tiles: TileConfig,
             launch_tiles: TileConfig, use_tma: bool, minibatch_rows, sync: Sync, pull, push_to, debug_waits: bool,
@@ -287,8 +283,10 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     o = common.empty((num_rows, hidden), dtype, device) if push_to is None else None
     h_deq = common.empty((num_rows, inter), dtype, device) if quant_block else None
     routed = ExpertGroup(
-        Operands(_rows(a_rows), weights_in_place(w_gate, w_up), Outputs(gate_up, 2 * inter, h, h_deq), inter, hidden),
-        Operands(_rows(h if h_deq is None else h_deq), weights_in_place(w_down), Outputs(o, hidden), hidden, inter),
+        Operands(operand_rows(a_rows), weights_in_place(w_gate, w_up), Outputs(gate_up, 2 * inter, h, h_deq), inter,
+                 hidden),
+        Operands(operand_rows(h if h_deq is None else h_deq), weights_in_place(w_down), Outputs(o, hidden), hidden,
+                 inter),
         schedule_tables(schedule, packed=True), None)
     launch_shared = shared_out = None
     if shared is not None:
@@ -297,9 +295,9 @@ def fused_forward(a_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
         h_s = common.empty((capacity_s, shared_inter), dtype, device)
         o_s = common.empty((capacity_s, hidden), dtype, device)
         launch_shared = ExpertGroup(
-            Operands(_rows(rows_s), weights_in_place(shared.w_gate, shared.w_up),
+            Operands(operand_rows(rows_s), weights_in_place(shared.w_gate, shared.w_up),
                      Outputs(c_s, 2 * shared_inter, h_s), shared_inter, hidden),
-            Operands(_rows(h_s), weights_in_place(shared.w_down), Outputs(o_s, hidden), hidden, shared_inter),
+            Operands(operand_rows(h_s), weights_in_place(shared.w_down), Outputs(o_s, hidden), hidden, shared_inter),
             schedule_tables(shared.schedule, packed=True), None)
         shared_out = (c_s, h_s, o_s)
     if pull is not None:
@@ -369,9 +367,9 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
     # mxfp8 at EP: the pull programs keep the rows as pulled in d_y_rows and write the dgrad's A round-tripped
     a_rows = common.empty((num_rows, hidden), dtype, device) if quant_block and pull is not None else d_y_rows
     routed = ExpertGroup(
-        Operands(_rows(a_rows), weights_in_place(w_down), Outputs(d_gate_up, 2 * inter, h_weighted, d_gate_up_deq),
-                 inter, hidden),
-        Operands(_rows(d_gate_up if d_gate_up_deq is None else d_gate_up_deq), weights_in_place(w_gate, w_up),
+        Operands(operand_rows(a_rows), weights_in_place(w_down),
+                 Outputs(d_gate_up, 2 * inter, h_weighted, d_gate_up_deq), inter, hidden),
+        Operands(operand_rows(d_gate_up if d_gate_up_deq is None else d_gate_up_deq), weights_in_place(w_gate, w_up),
                  Outputs(d_x_rows, hidden), hidden, inter),
         schedule_tables(schedule, packed=True),
         SwigluBackwardInputs(gate_up.contiguous(), router_weights.contiguous(), d_rw_partial))
@@ -382,9 +380,9 @@ def fused_backward(d_y_rows: torch.Tensor, w_down: torch.Tensor, w_gate: torch.T
         h_s = common.empty((capacity_s, shared_inter), dtype, device)
         o_s = common.empty((capacity_s, hidden), dtype, device)
         launch_shared = ExpertGroup(
-            Operands(_rows(rows_s), weights_in_place(shared.w_down), Outputs(c_s, 2 * shared_inter, h_s),
+            Operands(operand_rows(rows_s), weights_in_place(shared.w_down), Outputs(c_s, 2 * shared_inter, h_s),
                      shared_inter, hidden),
-            Operands(_rows(c_s), weights_in_place(shared.w_gate, shared.w_up), Outputs(o_s, hidden), hidden,
+            Operands(operand_rows(c_s), weights_in_place(shared.w_gate, shared.w_up), Outputs(o_s, hidden), hidden,
                      shared_inter),
             schedule_tables(shared.schedule, packed=True),
             SwigluBackwardInputs(shared.gate_up.contiguous(), torch.ones(capacity_s, dtype=torch.float32,

@@ -154,6 +154,12 @@ class PushTo(NamedTuple):
     slots_per_rank: int
 
 
+def operand_rows(a: torch.Tensor) -> Rows:
+    """A GEMM's A rows as the kernels read them: row-major (a contiguous copy where a is not)."""
+    a = a.contiguous()
+    return Rows(a, a.stride(0), a.shape[0])
+
+
 def schedule_tables(schedule: Schedule, packed: bool) -> ScheduleTables:
     """The schedule's tables for a GEMM; packed: with each row's packed index (the SwiGLU epilogues)."""
     return ScheduleTables(schedule.row_source, schedule.tile_expert, schedule.expert_offsets, schedule.num_experts,

@@ -31,9 +31,9 @@ from ..peers import PeerSlots
 from ..plan import TileConfig
 from ..schedule import Schedule
 from . import common, in_gemm_pull
-from .gemm_tile import (Operands, Outputs, Rows, SwigluBackwardInputs, Variant, check_d_rw_chunks, check_operands,
-                        descriptors, gemm_tile, new_d_rw_partial, push_to, schedule_tables, tile, tma_compatible,
-                        weights_in_place)
+from .gemm_tile import (Operands, Outputs, SwigluBackwardInputs, Variant, check_d_rw_chunks, check_operands,
+                        descriptors, gemm_tile, new_d_rw_partial, operand_rows, push_to, schedule_tables, tile,
+                        tma_compatible, weights_in_place)
 
 
 @triton.jit
@@ -136,11 +136,6 @@ def _output(schedule: Schedule, cols: int, like: torch.Tensor, push_to: PeerSlot
 # ---------------------------------------------------------------- the stages on this engine
 
 
-def _rows(a: torch.Tensor) -> Rows:
-    a = a.contiguous()
-    return Rows(a, a.stride(0), a.shape[0])
-
-
 def gate_up_swiglu(a_rows, w_gate, w_up, schedule: Schedule, swiglu_limit: float | None, tiles: TileConfig,
                    use_tma: bool, *, pull: in_gemm_pull.Pull | None = None):
     """Gate/up GEMM + SwiGLU.
@@ -152,7 +147,7 @@ def gate_up_swiglu(a_rows, w_gate, w_up, schedule: Schedule, swiglu_limit: float
     _, inter, hidden = w_gate.shape
     gate_up = common.empty((schedule.num_packed, 2 * inter), a_rows.dtype, a_rows.device)
     h = common.empty((schedule.capacity, inter), a_rows.dtype, a_rows.device)
-    ops = Operands(_rows(a_rows), weights_in_place(w_gate, w_up), Outputs(gate_up, gate_up.stride(0), h), inter,
+    ops = Operands(operand_rows(a_rows), weights_in_place(w_gate, w_up), Outputs(gate_up, gate_up.stride(0), h), inter,
                    hidden)
     _launch(ops, Variant(True, False, "swiglu_fwd", swiglu_limit is not None), schedule, tiles, use_tma,
             swiglu_limit=swiglu_limit, pull=pull)
@@ -165,7 +160,7 @@ def down(h, w_down, schedule: Schedule, tiles: TileConfig, use_tma: bool, *, pus
     check_operands(h, w_down)
     hidden, inter = w_down.shape[1:]
     out = _output(schedule, hidden, h, push_to)
-    ops = Operands(_rows(h), weights_in_place(w_down), out, hidden, inter)
+    ops = Operands(operand_rows(h), weights_in_place(w_down), out, hidden, inter)
     _launch(ops, _store_variant(False, push_to), schedule, tiles, use_tma, push=push_to)
     return None if push_to is not None else out.c
 
@@ -189,8 +184,8 @@ def down_dgrad_swiglu_partials(d_y_rows, w_down, gate_up, router_weights, schedu
     d_gate_up = common.empty((num_rows, 2 * inter), gate_up.dtype, gate_up.device)
     h_weighted = common.empty((num_rows, inter), gate_up.dtype, gate_up.device)
     d_rw_partial = new_d_rw_partial(num_rows, inter, gate_up.device)
-    ops = Operands(_rows(d_y_rows), weights_in_place(w_down), Outputs(d_gate_up, d_gate_up.stride(0), h_weighted),
-                   inter, hidden)
+    ops = Operands(operand_rows(d_y_rows), weights_in_place(w_down),
+                   Outputs(d_gate_up, d_gate_up.stride(0), h_weighted), inter, hidden)
     _launch(ops, Variant(False, False, "swiglu_bwd", swiglu_limit is not None), schedule, tiles, use_tma,
             swiglu_limit=swiglu_limit, swiglu_bwd=SwigluBackwardInputs(gate_up.contiguous(), router_weights,
                                                                        d_rw_partial), pull=pull)
@@ -216,6 +211,6 @@ def gate_up_dgrad(d_gate_up, w_gate, w_up, schedule: Schedule, tiles: TileConfig
     check_operands(d_gate_up, w_gate, w_up)
     inter, hidden = w_gate.shape[1:]
     out = _output(schedule, hidden, d_gate_up, push_to)
-    ops = Operands(_rows(d_gate_up), weights_in_place(w_gate, w_up), out, hidden, inter)
+    ops = Operands(operand_rows(d_gate_up), weights_in_place(w_gate, w_up), out, hidden, inter)
     _launch(ops, _store_variant(True, push_to), schedule, tiles, use_tma, push=push_to)
     return None if push_to is not None else out.c
