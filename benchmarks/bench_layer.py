@@ -346,8 +346,12 @@ def serval_impl(settings=(), weights_once_per_step=False):
     """serval.moe with the Config of a variant's settings (`variant_config`; none: the default), built once
     per (H, dtype, device), outside the timed calls. weights_once_per_step (an FP8 precision): the expert
     weights quantized by `serval.quantize_expert_weights` when they change (their storage or version: once per
-    optimizer step in training), so the timed calls, like a step's further micro-batches, reuse them."""
+    optimizer step in training), so the timed calls, like a step's further micro-batches, reuse them. Without
+    it an FP8 call quantizes its weights itself: serval's weight cache (`serval.weight_cache`, which would keep
+    them across the timed calls, as the weights do not change here) is emptied before each call, as an optimizer
+    step between calls would."""
     import serval
+    import serval.weight_cache
 
     configs, made = {}, {}
 
@@ -365,6 +369,8 @@ def serval_impl(settings=(), weights_once_per_step=False):
                 made["version"] = version
                 made["weights"] = serval.quantize_expert_weights(*(w.detach() for w in weights), config.precision)
             expert_weights = made["weights"]
+        elif config.precision != "bf16":
+            serval.weight_cache.clear()
         return serval.moe(x, p["router_weights"], topk_ids, p["w_gate"], p["w_up"], p["w_down"], shared=shared_of(p),
                           config=config, expert_weights=expert_weights)
 

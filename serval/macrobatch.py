@@ -138,11 +138,14 @@ def backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, gat
                                                                 swiglu_limit, **pull)
             ops.gate_up_dgrad(d_gate_up, w_gate, w_up, s, push_to=target)
         else:  # the recipe's staged backward on the pulled rows, its weight gradients window by window
-            d_x_rows, d_rw, *_ = precision.backward(ops, recipe, d_y, d_y_rows, x, x_rows, kept, row_router_weights,
-                                                    w_gate, w_up, w_down, s, swiglu_limit, made, weight_grads,
-                                                    push_to=target, windows=wgrad_windows, d_y_pull=pull or None)
+            d_x_rows, d_rw, weight_grads_to_run = precision.backward(
+                ops, recipe, d_y, d_y_rows, x, x_rows, kept, row_router_weights, w_gate, w_up, w_down, s,
+                swiglu_limit, made, weight_grads, push_to=target, d_y_pull=pull or None)
             if d_x_rows is not None:  # an FP8 GEMM, which does not push from its epilogue, made the rows
                 transport.write_rows(d_x_rows, s.row_source, target)
+            del d_x_rows
+            if weight_grads_to_run is not None:
+                weight_grads_to_run(windows=wgrad_windows)
         d_rw_rows[window.start: window.start + s.capacity] = d_rw
         if wgrad_windows is not None and recipe is None:
             ops.down_weight_grad(d_y_rows, h_weighted, s, window=wgrad_windows[0])

@@ -107,6 +107,42 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
     return QuantizedTensor(data, scale, block, bool(transpose)), deq
 
 
+def quantize_both_layouts(t: torch.Tensor, *, block=(128, 128), scale_format: str = "fp32", backend: str = "auto",
+                          out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          out_t: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """t [R, C] or [E, R, C] (bf16) quantized in square blocks (B, B), each block read once and stored both ways:
+    `quantize(t, block=block, scale_format=scale_format)` and the same with transpose=True, bit for bit (a square
+    block has one scale in either orientation). The FP8 GEMMs read an expert weight both ways (forward: K = its
+    last dim; dgrad: K = its middle one). out / out_t: (data, scale) to write each into, as `quantize`'s out."""
+    block = _check(t, block, scale_format, False, None, backend, t.shape[-2] if isinstance(t, torch.Tensor)
+                   and t.dim() >= 2 else 0)
+    if block[0] != block[1] or t.dtype != torch.bfloat16:
+        raise ValueError(f"quantize_both_layouts: needs square blocks and a bf16 t, got block {block}, {t.dtype}")
+    rows = t.shape[-2]
+    for name, o, transpose in (("out", out, False), ("out_t", out_t, True)):
+        if o is not None:
+            _check_out(t, block, scale_format, transpose, o, rows)
+    if not (backend == "triton" or (backend == "auto" and t.is_cuda)):
+        q = quantize(t, block=block, scale_format=scale_format, backend="torch", out=out)[0]
+        q_t = quantize(t, block=block, scale_format=scale_format, transpose=True, backend="torch", out=out_t)[0]
+        return q, q_t
+    from .kernels.quantize import empty_quantized, quantize_both_layouts as both_layouts_kernel
+
+    squeeze = t.dim() == 2
+    t3 = t.unsqueeze(0) if squeeze else t
+    num_e, cols = t3.shape[0], t3.shape[2]
+    n_r, n_c = -(-rows // block[0]), -(-cols // block[1])
+    fp32_scale = scale_format == "fp32"
+    outs = []
+    for o, shapes in ((out, ((num_e, rows, cols), (num_e, n_r, n_c))), (out_t, ((num_e, cols, rows), (num_e, n_c, n_r)))):
+        outs.append(empty_quantized(*shapes, fp32_scale, t.device) if o is None else
+                    tuple(x.unsqueeze(0) if squeeze else x for x in o))
+    both_layouts_kernel(t3 if t3.stride(-1) == 1 else t3.contiguous(), block[0], fp32_scale, *outs)
+    (data, scale), (data_t, scale_t) = ((x[0] if squeeze else x for x in o) for o in outs)
+    return QuantizedTensor(data, scale, block, False), QuantizedTensor(data_t, scale_t, block, True)
+
+
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, *, backend: str = "auto") -> torch.Tensor:
     """data * scale in the stored orientation (data's shape), each scale expanded over its block: the IEEE fp32
     product data.float() * scale (exact for e8m0), then cast to dtype (bf16: exact for e8m0 barring bf16

@@ -276,7 +276,8 @@ def _recipe_staged_backward(plan: PassPlan, d_y, x, row_router_weights, schedule
                             shared_weight_grads, expert_weights) -> RoutedGrads:
     """An FP8 recipe's passes, one launch per GEMM stage (`precision.backward`). At EP it pulls x's rows (for the
     weight gradients, by every rank whatever its weights need) and d_y's (or its down dgrad pulls them), and pushes
-    d_x's rows after its gate/up dgrad or from its epilogue."""
+    d_x's rows after its gate/up dgrad or from its epilogue. The weight gradients run after d_x is summed and its
+    rows freed."""
     ops, recipe = plan.ops, plan.recipe
     transport = _transport(workspace)
     x_rows = pulled_into = None
@@ -292,10 +293,12 @@ def _recipe_staged_backward(plan: PassPlan, d_y, x, row_router_weights, schedule
             push_to=push_to, d_y_pull=rows_from.pull)
         return d_x_rows, rest
 
-    d_x_rows, d_x_schedule, (d_rw_rows, d_w_gate, d_w_up, d_w_down) = through(
+    d_x_rows, d_x_schedule, (d_rw_rows, weight_grads_to_run) = through(
         plan.backward, workspace, d_y, schedule, w_gate.shape[2], d_y.dtype, compute)
-    return RoutedGrads(ops.sum_slots(d_x_rows, d_x_schedule, shared_d_x), d_rw_rows, d_w_gate, d_w_up, d_w_down,
-                       None)
+    d_x = ops.sum_slots(d_x_rows, d_x_schedule, shared_d_x)
+    del d_x_rows  # d_x's rows go before the weight gradients' outputs are made (peak memory)
+    d_w_gate, d_w_up, d_w_down = weight_grads_to_run() if weight_grads_to_run is not None else (None,) * 3
+    return RoutedGrads(d_x, d_rw_rows, d_w_gate, d_w_up, d_w_down, None)
 
 
 def _recipe_fused_backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, keeps, w_gate, w_up,

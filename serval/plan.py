@@ -1,8 +1,9 @@
 """The one home of serval's tuning: `KernelPlan`, which engine and which tiles run each GEMM stage of the layer, as
 one frozen value; and every other tile table of the kernels, each a pure function of the shapes and the target:
 the weight gradients' (`wgrad_config`), the block-scaled FP8 GEMMs' (`fp8_triton_tiles`, `fp8_gluon_config`), the
-FP8 quantizer's (`quantize_tiles`), and the overlap at expert parallelism (MoK's minibatch rule, `minibatch_rows`,
-and the fused passes' communication SMs, `FUSED_COMM_SMS`). docs/DESIGN.md sums up the choices and the evidence.
+FP8 quantizers' (`quantize_tiles`, `ROWS_AND_TOKENS_WARPS`) and SwiGLU passes' (`SWIGLU_ROWS_WARPS`), and the
+overlap at expert parallelism (MoK's minibatch rule, `minibatch_rows`, and the fused passes' communication SMs,
+`FUSED_COMM_SMS`). docs/DESIGN.md sums up the choices and the evidence.
 
 A plan is chosen by `choose_plan`, a pure function of the problem (hidden size, dtype) and of where it
 runs (`Target`: device capability, Triton release, interpreter), and is passed down to every kernel
@@ -337,3 +338,10 @@ def quantize_tiles(block: tuple[int, int]) -> tuple[int, int, int]:
     if cols == 1:
         return (32, 64, 2) if rows == 32 else (128, 64, 4)
     return (32, 32, 2) if rows == 32 else (128, 128, 4)
+
+
+# Warps of the programs that quantize one scale block square both ways (128 x 128 under fp8_blockwise): the FP8
+# SwiGLU passes (`serval.kernels.swiglu_rows`: gate, up and h of a tile, 64 fp32 each a thread in 8 warps) and
+# the rows-and-tokens quantizer (`serval.kernels.quantize.rows_and_tokens`, as the quantizer's 128 x 128 tiles).
+SWIGLU_ROWS_WARPS = 8
+ROWS_AND_TOKENS_WARPS = 4

@@ -27,9 +27,10 @@ multiple of the block, so no block spans two experts; padding rows are zero. The
 rows unscaled and applies the router weight r in its epilogue, as BF16 does, so that d_router_weights is
 <d_y W_down, h> with no division by r; the w_down gradient takes r * d_y, as MoK's does.
 
-The fp8_blockwise SwiGLU row passes (`ops.swiglu_fp8`, `ops.swiglu_backward_fp8`) write their outputs
-quantized along the row too (h and the kept pre-activations forward, d_gate_up backward), so no quantization
-pass reads them again; the along-tokens copies stay separate passes.
+The fp8_blockwise SwiGLU passes (`ops.swiglu_fp8`, `ops.swiglu_backward_fp8`) write only quantized outputs, each
+B x B tile both ways from registers: h along I (the down GEMM's) and along tokens (kept for the w_down gradient),
+the kept pre-activations, d_gate_up along 2I (the gate/up dgrad's) and along tokens (the w_gate / w_up gradients');
+no bf16 h or d_gate_up is made and no quantization pass reads one.
 
 Kept for backward (`Kept`): the gate/up pre-activations quantized along 2I in packed rows, and h quantized
 along tokens; x along tokens is rebuilt in backward from x (the same bits, H bytes per row not kept).
@@ -51,13 +52,14 @@ pre-activations), while y stays close.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal, NamedTuple
 
 import torch
 
 from . import stages, weight_layout
-from .ops import dequantize, quantize
+from .ops import dequantize, quantize, quantize_both_layouts
 from .peers import push_keywords
 from .schedule import Schedule
 from .values import QuantizedTensor
@@ -88,13 +90,8 @@ class Recipe:
                         dequantized=not (self.fp8_gemm or keep), **kwargs)
 
     def weight(self, w: torch.Tensor, k_dim: int):
-        """Expert weights [E, A, B] quantized for a GEMM whose K is dim `k_dim` (1 or 2).
-
-        FP8 GEMMs: 128 x 128 blocks (the same blocks whatever the K), stored [E, N, K] (transposed when K is
-        dim 1). BF16 GEMMs: the dequantized bf16 weight in w's layout, blocks along K."""
-        if self.fp8_gemm:
-            q, _ = quantize(w, block=self.weight_block, scale_format=self.scale_format, transpose=k_dim == 1)
-            return q
+        """Expert weights [E, A, B] as BF16 GEMMs whose K is dim `k_dim` (1 or 2) read them: dequantized bf16 in
+        w's layout, blocks along K (the FP8 GEMMs' 128 x 128 blocks: `gemm_weights`)."""
         block = (1, self.block) if k_dim == 2 else (self.block, 1)
         return quantize(w, block=block, scale_format=self.scale_format, dequantized=True)[1]
 
@@ -172,22 +169,42 @@ def kept_like(recipe: Recipe, num_packed: int, capacity: int, inter: int, device
             torch.empty(h_shape, **fp8), torch.empty(h_scale_shape, dtype=scale_dtype, device=device))
 
 
-def _gate_up_weights(recipe: Recipe, w_gate, w_up, k_dim: int) -> QuantizedTensor:
-    """w_gate and w_up as one FP8 GEMM operand: [E, 2I, H] (K = H, forward) or [E, H, 2I] (K = I, dgrad), gate
-    first. Each is quantized straight into its half of the joined buffer (I % 128 == 0: the blocks are those
-    of the joined weight), so joining them costs no pass."""
+def _fp8_layouts(recipe: Recipe, w, layouts: tuple[bool, ...], outs: dict | None = None) -> dict:
+    """w [E, A, B] quantized in the recipe's 128 x 128 blocks, for each of `layouts` (transposed or not: stored
+    [E, A, B] for a GEMM whose K is B, [E, B, A] for K = A): {transposed: QuantizedTensor}, written into
+    outs[transposed] = (data, scale) where given. Both layouts from one read where both are wanted
+    (`quantize_both_layouts`)."""
+    outs = outs or {}
+    kwargs = dict(block=recipe.weight_block, scale_format=recipe.scale_format)
+    if not layouts:
+        return {}
+    if len(layouts) == 2:
+        q, q_t = quantize_both_layouts(w, out=outs.get(False), out_t=outs.get(True), **kwargs)
+        return {False: q, True: q_t}
+    (transposed,) = layouts
+    return {transposed: quantize(w, transpose=transposed, out=outs.get(transposed), **kwargs)[0]}
+
+
+def _gate_up_weights(recipe: Recipe, w_gate, w_up, layouts: tuple[bool, ...]) -> dict:
+    """w_gate and w_up as one FP8 GEMM operand, for each of `layouts` (`_fp8_layouts`): [E, 2I, H] (not
+    transposed: K = H, forward) and [E, H, 2I] (transposed: K = I, dgrad), gate first. Each is quantized straight
+    into its half of the joined buffers (I % 128 == 0: the blocks are those of the joined weight), so joining
+    them costs no pass."""
     num_experts, inter, hidden = w_gate.shape
-    transpose = k_dim == 1
-    dim = 2 if transpose else 1
     n_inter, n_hidden = (math.ceil(n / recipe.weight_block[0]) for n in (inter, hidden))
-    data_shape = (num_experts, hidden, 2 * inter) if transpose else (num_experts, 2 * inter, hidden)
-    scale_shape = (num_experts, n_hidden, 2 * n_inter) if transpose else (num_experts, 2 * n_inter, n_hidden)
-    data = torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=w_gate.device)
-    scale = torch.empty(scale_shape, dtype=torch.float32, device=w_gate.device)
+    joined = {}
+    for transposed in layouts:
+        data_shape = (num_experts, hidden, 2 * inter) if transposed else (num_experts, 2 * inter, hidden)
+        scale_shape = (num_experts, n_hidden, 2 * n_inter) if transposed else (num_experts, 2 * n_inter, n_hidden)
+        joined[transposed] = (torch.empty(data_shape, dtype=torch.float8_e4m3fn, device=w_gate.device),
+                              torch.empty(scale_shape, dtype=torch.float32, device=w_gate.device))
     for half, w in enumerate((w_gate, w_up)):
-        out = (data.narrow(dim, half * inter, inter), scale.narrow(dim, half * n_inter, n_inter))
-        quantize(w, block=recipe.weight_block, scale_format=recipe.scale_format, transpose=transpose, out=out)
-    return QuantizedTensor(data, scale, recipe.weight_block, transpose)
+        _fp8_layouts(recipe, w, layouts, {
+            transposed: (data.narrow(2 if transposed else 1, half * inter, inter),
+                         scale.narrow(2 if transposed else 1, half * n_inter, n_inter))
+            for transposed, (data, scale) in joined.items()})
+    return {transposed: QuantizedTensor(data, scale, recipe.weight_block, transposed)
+            for transposed, (data, scale) in joined.items()}
 
 
 class ExpertWeights(NamedTuple):
@@ -233,15 +250,20 @@ def gemm_weights(recipe: Recipe, w_gate, w_up, w_down, made: ExpertWeights | Non
     GEMMs a pass runs) quantized, the others None."""
     if made is not None:
         return made
-
-    def gate_up(k_dim):
-        if recipe.fp8_gemm:
-            return _gate_up_weights(recipe, w_gate, w_up, k_dim)
-        return recipe.weight(w_gate, k_dim), recipe.weight(w_up, k_dim)
-
-    make = dict(gate_up=lambda: gate_up(2), down=lambda: recipe.weight(w_down, 2),
-                down_t=lambda: recipe.weight(w_down, 1), gate_up_t=lambda: gate_up(1))
+    if recipe.fp8_gemm:  # each weight read once for the layouts wanted of it (transposed: the dgrads')
+        gate_up = _gate_up_weights(recipe, w_gate, w_up, _layouts(fields, "gate_up"))
+        down = _fp8_layouts(recipe, w_down, _layouts(fields, "down"))
+        return ExpertWeights(gate_up.get(False), down.get(False), down.get(True), gate_up.get(True))
+    make = dict(gate_up=lambda: (recipe.weight(w_gate, 2), recipe.weight(w_up, 2)),
+                down=lambda: recipe.weight(w_down, 2), down_t=lambda: recipe.weight(w_down, 1),
+                gate_up_t=lambda: (recipe.weight(w_gate, 1), recipe.weight(w_up, 1)))
     return ExpertWeights(*(make[field]() if field in fields else None for field in ExpertWeights._fields))
+
+
+def _layouts(fields, name: str) -> tuple[bool, ...]:
+    """The layouts of weight `name` ("gate_up" or "down") among ExpertWeights `fields`: False for the forward's
+    (`name`), True for the dgrad's (`name`_t)."""
+    return tuple(transposed for field, transposed in ((name, False), (name + "_t", True)) if field in fields)
 
 
 def check_expert_weights(recipe: Recipe, made: ExpertWeights, w_gate, w_down) -> None:
@@ -334,8 +356,9 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
         gate_up_rows = ops.fp8_grouped_gemm(x_q, made.gate_up, schedule)
-        # one row pass: h, h quantized along I, and the pre-activations kept in packed rows, as BF16 keeps them
-        h, h_q, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block, recipe.scale_format)
+        # one pass: h quantized along I and along tokens (kept), the pre-activations kept in packed rows
+        h_q, h_tokens, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block,
+                                                recipe.scale_format, tokens=keeps)
         del gate_up_rows
     elif pull is not None:
         gate_up, h = ops.gate_up_swiglu(x, *made.gate_up, schedule, swiglu_limit, quant_block=recipe.block, **pull)
@@ -345,7 +368,7 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
                                         a_rows=None if x_rows is None else x_deq)
     kept = None
     if keeps:
-        kept = Kept(gate_up, recipe.tokens(h, keep=True)[0]) if recipe.fp8_gemm else keep(recipe, gate_up, h)
+        kept = Kept(gate_up, h_tokens) if recipe.fp8_gemm else keep(recipe, gate_up, h)
     if w_down is None:
         return None, kept
     if recipe.fp8_gemm:
@@ -363,24 +386,30 @@ def _rows_quantized(tokens, rows, schedule: Schedule, quantize_along):
 
 def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_weights, w_gate, w_up, w_down,
              schedule: Schedule, swiglu_limit, made: ExpertWeights | None = None, weight_grads: bool = True,
-             push_to=None, windows=None, d_y_pull: dict | None = None):
-    """Gradients of the routed experts from d_y and x [N, H] (bf16), their rows [R, H] pulled at EP (None at
-    EP=1: the quantization passes read the tokens' rows through the schedule, no bf16 rows are made) and the
-    group's router weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, d_w_gate, d_w_up,
-    d_w_down). made: as in `forward`. weight_grads False: the weight gradients are None (none of their
-    quantizations or GEMMs run). push_to: as in `forward`, for d_x's rows. windows: the macrobatch ring's
-    (`expert_weight_grads`). d_y_pull (the GEMM pulls): the down dgrad's pull_from and pull_flags: at EP it pulls
-    d_y's rows itself, into d_y_rows (an empty [R, H] buffer: the rows as pulled, for the weight gradients) and
-    round-tripped into the rows it reads."""
+             push_to=None, d_y_pull: dict | None = None):
+    """The routed experts' dgrads from d_y and x [N, H] (bf16), their rows [R, H] pulled at EP (None at EP=1: the
+    quantization passes read the tokens' rows through the schedule, no bf16 rows are made) and the group's router
+    weights [P*N, k]: (d_x_rows [R, H], d_router_weight_rows [R] fp32, the weight gradients still to run). The
+    last is `expert_weight_grads` bound to its operands (call it for (d_w_gate, d_w_up, d_w_down), with the
+    macrobatch ring's `windows` where there are): the caller sums and frees d_x's rows first, and the dgrad-layout
+    weights are gone by then (peak memory). weight_grads False: None (none of their quantizations run). made: as
+    in `forward`. push_to: as in `forward`, for d_x's rows. d_y_pull (the GEMM pulls): the down dgrad's pull_from
+    and pull_flags: at EP it pulls d_y's rows itself, into d_y_rows (an empty [R, H] buffer: the rows as pulled,
+    for the weight gradients) and round-tripped into the rows it reads."""
     dtype = x.dtype
     made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("down_t", "gate_up_t"))
     at_ep1 = d_y_rows is None
     row_rw = stages.row_weights(router_weights, schedule).float()  # [R], 0 on padding rows
-    if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
-        d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
+    d_y_tokens = None
+    if recipe.fp8_gemm:  # d_y's rows read once: quantized along H (the down dgrad's) and along tokens (w_down's)
+        d_y_q, d_y_tokens = ops.quantize_rows_and_tokens(d_y if at_ep1 else d_y_rows, schedule, recipe.block,
+                                                         recipe.scale_format, gather=at_ep1, tokens=weight_grads,
+                                                         tokens_row_scale=row_rw)
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, made.down_t, schedule)
-        d_gate_up, d_gate_up_q, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw,
-                                                                    swiglu_limit)
+        del d_y_q
+        # one pass: d_gate_up quantized along 2I and along tokens (for the weight gradients), d_rw
+        d_gate_up_q, d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw,
+                                                                    swiglu_limit, tokens=weight_grads)
         del d_h_raw
     elif d_y_pull is not None:
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, made.down_t, dequantize(kept.gate_up, dtype),
@@ -399,25 +428,28 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, *made.gate_up_t, schedule, **push_keywords(push_to))
         del d_gate_up_deq
     if not weight_grads:
-        return d_x_rows, d_rw_rows, None, None, None
-    return (d_x_rows, d_rw_rows, *expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept, row_rw,
-                                                      schedule, w_gate, w_up, windows))
+        return d_x_rows, d_rw_rows, None
+    return d_x_rows, d_rw_rows, functools.partial(expert_weight_grads, ops, recipe, d_y, d_y_rows, x, x_rows,
+                                                  d_gate_up, kept, row_rw, schedule, w_gate, w_up,
+                                                  d_y_tokens=d_y_tokens)
 
 
 def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
-                        schedule: Schedule, w_gate, w_up, windows=None):
+                        schedule: Schedule, w_gate, w_up, windows=None, d_y_tokens: QuantizedTensor | None = None):
     """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
-    rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I],
-    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows); d_w_gate and d_w_up in the layout
+    rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I] bf16
+    (or already quantized along tokens: the FP8 SwiGLU backward's), the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows); d_w_gate and d_w_up in the layout
     of the weights w_gate, w_up (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight).
     windows: the macrobatch ring's
     (down, gate/up) `WgradWindow`s of these rows (`serval.kernels.weight_grad`; the gate/up one with outputs
     (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a
-    window (its rows start on a block_m boundary, a multiple of the block)."""
+    window (its rows start on a block_m boundary, a multiple of the block). d_y_tokens: d_y's rows already
+    quantized along tokens and scaled by the router weights (the FP8 backward's, made with its row copy)."""
     dtype = x.dtype
-    d_y_tokens, d_y_tokens_deq = _rows_quantized(d_y, d_y_rows, schedule,
-                                                 lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
-    d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
+    d_y_tokens, d_y_tokens_deq = (d_y_tokens, None) if d_y_tokens is not None else _rows_quantized(
+        d_y, d_y_rows, schedule, lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
+    d_gate_up_tokens, d_gate_up_tokens_deq = (d_gate_up, None) if isinstance(d_gate_up, QuantizedTensor) else \
+        recipe.tokens(d_gate_up)
     x_tokens, x_tokens_deq = _rows_quantized(x, x_rows, schedule, recipe.tokens)
     down_window, gate_up_window = windows or (None, None)
     inter = w_gate.shape[1]

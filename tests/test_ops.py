@@ -528,3 +528,32 @@ def test_rows_of_quantizes_the_gathered_rows(backend, block, transpose):
         assert_same(ops.quantize(t, rows_of=(row_source, 2), **kwargs), ops.quantize(rows, **kwargs))
     with pytest.raises(ValueError, match="rows_of"):
         ops.quantize(t, block=block, rows_of=(row_source.float(), 2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block,scale_format", [((128, 128), "fp32"), ((32, 32), "e8m0")])
+def test_both_layouts_from_one_read(backend, block, scale_format):
+    """quantize_both_layouts: the bits of quantize without and with transpose (partial edge blocks too), also
+    written into views of joined buffers (out / out_t)."""
+    device = "cuda" if backend == "triton" and CUDA else "cpu"
+    w = varied(3, 256, 200, seed=31).to(device).bfloat16()
+    kwargs = dict(block=block, scale_format=scale_format, backend=backend)
+    want = ops.quantize(w, **kwargs)[0], ops.quantize(w, transpose=True, **kwargs)[0]
+    got = ops.quantize_both_layouts(w, **kwargs)
+    for g, x in zip(got, want):
+        assert g.transposed == x.transposed and g.block == x.block
+        assert torch.equal(bits(g.data), bits(x.data)) and torch.equal(bits(g.scale), bits(x.scale))
+    data, data_t = torch.zeros(3, 512, 200, dtype=torch.float8_e4m3fn, device=device), \
+        torch.zeros(3, 200, 512, dtype=torch.float8_e4m3fn, device=device)
+    scale, scale_t = (torch.zeros(s, dtype=want[0].scale.dtype, device=device)
+                      for s in ((3, 2 * want[0].scale.shape[1], want[0].scale.shape[2]),
+                                (3, want[1].scale.shape[1], 2 * want[1].scale.shape[2])))
+    n_r = want[0].scale.shape[1]
+    ops.quantize_both_layouts(w, **kwargs, out=(data.narrow(1, 256, 256), scale.narrow(1, n_r, n_r)),
+                              out_t=(data_t.narrow(2, 256, 256), scale_t.narrow(2, n_r, n_r)))
+    assert torch.equal(bits(data[:, 256:]), bits(want[0].data)) and torch.equal(bits(scale[:, n_r:]),
+                                                                                bits(want[0].scale))
+    assert torch.equal(bits(data_t[:, :, 256:]), bits(want[1].data)) and torch.equal(bits(scale_t[:, :, n_r:]),
+                                                                                     bits(want[1].scale))
+    with pytest.raises(ValueError, match="square blocks"):
+        ops.quantize_both_layouts(w, block=(1, 128), backend=backend)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import quantize_tiles
+from ..plan import ROWS_AND_TOKENS_WARPS, quantize_tiles
 from . import common
 
 _EXACT_ROUND: tl.constexpr = tl.constexpr(common.INTERPRET)  # `quantize_values`' EXACT_ROUND in jitted callers
@@ -99,6 +99,33 @@ def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE:
     byte = tl.where(bad, 0x7F, e4m3.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
 
     return e4m3, byte, stored_scale, bad
+
+
+@triton.jit
+def store_rows_and_tokens(x, row_block, col_block, row_ok, col_ok, rows_data_ptr, rows_scale_ptr, row_len,
+                          tokens_data_ptr, tokens_scale_ptr, num_rows, ROWS: tl.constexpr, TOKENS: tl.constexpr,
+                          FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """A square tile x [B, B] (fp32, bf16-rounded values) at block (row_block, col_block) of a [num_rows, row_len]
+    matrix, quantized the two ways a GEMM and its weight gradient read it, from one read: ROWS along the row
+    (1 x B blocks) into data [*, row_len] bytes and scale [*, cdiv(row_len, B)]; TOKENS along the rows
+    (B x 1 blocks) stored transposed, data [row_len, num_rows] bytes and scale [row_len, cdiv(num_rows, B)] (K
+    contiguous, as an FP8 weight gradient reads it). The bits of `quantize` with blocks (1, B) and (B, 1) transposed
+    on the same values; x holds zeros where row_ok / col_ok are false (as the quantizer's masked loads read)."""
+    B: tl.constexpr = x.shape[0]
+    rows = row_block * B + tl.arange(0, B)
+    cols = col_block * B + tl.arange(0, B)
+    if ROWS:
+        _, byte, scale, _ = quantize_values(x, 1, B, FP32_SCALE, EXACT_ROUND)
+        rows64 = rows.to(tl.int64)
+        tl.store(rows_data_ptr + rows64[:, None] * row_len + cols[None, :], byte,
+                 mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(rows_scale_ptr + rows64[:, None] * tl.cdiv(row_len, B) + col_block, scale, mask=row_ok[:, None])
+    if TOKENS:
+        _, byte, scale, _ = quantize_values(x, B, 1, FP32_SCALE, EXACT_ROUND)
+        cols64 = cols.to(tl.int64)
+        tl.store(tokens_data_ptr + cols64[:, None] * num_rows + rows[None, :], tl.trans(byte),
+                 mask=col_ok[:, None] & row_ok[None, :])
+        tl.store(tokens_scale_ptr + cols64[None, :] * tl.cdiv(num_rows, B) + row_block, scale, mask=col_ok[None, :])
 
 
 @triton.jit
@@ -189,6 +216,100 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
     if DEQUANTIZED:
         deq = dequantized_values(e4m3, stored_scale, bad, FP32_SCALE)
         tl.store(deq_ptr + e * R * C + rows.to(tl.int64)[:, None] * C + cols[None, :], deq, mask=mask)
+
+
+@triton.jit
+def _rows_and_tokens_kernel(t_ptr, stride_t, row_source_ptr, top_k, row_scale_ptr, used_rows_ptr, rows_data_ptr,
+                            rows_scale_ptr, tokens_data_ptr, tokens_scale_ptr, num_rows, num_cols,
+                            B: tl.constexpr, GATHER: tl.constexpr, TOKENS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+                            FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """One [B, B] tile of the routed rows read once (bf16; through the schedule where GATHER) and stored quantized
+    along the row and, where TOKENS, along tokens (scaled by row_scale where HAS_ROW_SCALE) (`rows_and_tokens`)."""
+    row_block = tl.program_id(0)
+    col_block = tl.program_id(1)
+    if row_block * B < tl.load(used_rows_ptr):
+        rows = row_block * B + tl.arange(0, B)
+        cols = col_block * B + tl.arange(0, B)
+        row_ok = rows < num_rows
+        col_ok = cols < num_cols
+        mask = row_ok[:, None] & col_ok[None, :]
+        if GATHER:  # row r is t[row_source[r] // top_k], zeros where row_source[r] < 0
+            source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
+            token = tl.where(source >= 0, source // top_k, 0)
+            x = tl.load(t_ptr + token.to(tl.int64)[:, None] * stride_t + cols[None, :],
+                        mask=mask & (source >= 0)[:, None], other=0.0)
+        else:
+            x = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
+        x = common.bf16_to_f32(x)
+        store_rows_and_tokens(x, row_block, col_block, row_ok, col_ok, rows_data_ptr, rows_scale_ptr, num_cols,
+                              tokens_data_ptr, tokens_scale_ptr, num_rows, True, TOKENS and not HAS_ROW_SCALE,
+                              FP32_SCALE, EXACT_ROUND)
+        if TOKENS and HAS_ROW_SCALE:
+            scaled = common.round_bf16(x * tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0)[:, None])
+            store_rows_and_tokens(scaled, row_block, col_block, row_ok, col_ok, rows_data_ptr, rows_scale_ptr,
+                                  num_cols, tokens_data_ptr, tokens_scale_ptr, num_rows, False, True, FP32_SCALE,
+                                  EXACT_ROUND)
+
+
+def rows_and_tokens(t: torch.Tensor, used_rows: torch.Tensor, block: int, fp32_scale: bool,
+                    rows_of: tuple[torch.Tensor, int] | None, tokens: bool, tokens_row_scale: torch.Tensor | None):
+    """The routed rows of t (bf16: t [R, C] itself, or with rows_of = (row_source [R], top_k) the rows
+    t[row_source // top_k] of tokens t [N, C], zeros where -1) quantized from one read both ways: ((data [R, C],
+    scale [R, cdiv(C, block)]) along the row, (data [C, R], scale [C, cdiv(R, block)]) along tokens (None unless
+    `tokens`), each row scaled by tokens_row_scale [R] (fp32) where given) - the bits of `quantize` (1, block) and
+    (block, 1) transposed. Row blocks from used_rows[0] (the schedule's used rows, on the device) on are left
+    unwritten."""
+    num_rows = rows_of[0].shape[0] if rows_of is not None else t.shape[0]
+    num_cols = t.shape[1]
+    device = t.device
+    n_c, n_r = common.cdiv(num_cols, block), common.cdiv(num_rows, block)
+    rows = empty_quantized((num_rows, num_cols), (num_rows, n_c), fp32_scale, device)
+    along_tokens = empty_quantized((num_cols, num_rows), (num_cols, n_r), fp32_scale, device) if tokens else rows
+    if n_r and n_c:
+        _rows_and_tokens_kernel[(n_r, n_c)](
+            t, t.stride(0), rows_of[0] if rows_of is not None else t, rows_of[1] if rows_of is not None else 1,
+            tokens_row_scale.contiguous() if tokens_row_scale is not None else t, used_rows,
+            rows[0].view(torch.uint8), rows[1], along_tokens[0].view(torch.uint8), along_tokens[1], num_rows,
+            num_cols, B=block, GATHER=rows_of is not None, TOKENS=tokens, HAS_ROW_SCALE=tokens_row_scale is not None,
+            FP32_SCALE=fp32_scale, EXACT_ROUND=common.INTERPRET, num_warps=ROWS_AND_TOKENS_WARPS)
+    return rows, along_tokens if tokens else None
+
+
+@triton.jit
+def _both_layouts_kernel(t_ptr, stride_te, stride_tr, data_ptr, stride_de, stride_dr, scale_ptr, stride_se,
+                         stride_sr, data_t_ptr, stride_dte, stride_dtr, scale_t_ptr, stride_ste, stride_str, R, C,
+                         n_tiles_c, B: tl.constexpr, FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """One B x B block of t[e] (bf16) quantized once and stored both ways: data[e, rows, cols] / scale[e, rb, cb]
+    and data_t[e, cols, rows] / scale_t[e, cb, rb] (`quantize_both_layouts`)."""
+    row_block = tl.program_id(0) // n_tiles_c
+    col_block = tl.program_id(0) % n_tiles_c
+    e = tl.program_id(1).to(tl.int64)
+    rows = row_block * B + tl.arange(0, B)
+    cols = col_block * B + tl.arange(0, B)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :], mask=mask, other=0.0)
+    _, byte, scale, _ = quantize_values(common.bf16_to_f32(x), B, B, FP32_SCALE, EXACT_ROUND)
+    tl.store(data_ptr + e * stride_de + rows.to(tl.int64)[:, None] * stride_dr + cols[None, :], byte, mask=mask)
+    tl.store(data_t_ptr + e * stride_dte + cols.to(tl.int64)[:, None] * stride_dtr + rows[None, :], tl.trans(byte),
+             mask=(cols < C)[:, None] & (rows < R)[None, :])
+    tl.store(scale_ptr + e * stride_se + row_block * stride_sr + col_block + tl.zeros_like(scale).to(tl.int64), scale)
+    tl.store(scale_t_ptr + e * stride_ste + col_block * stride_str + row_block + tl.zeros_like(scale).to(tl.int64),
+             scale)
+
+
+def quantize_both_layouts(t: torch.Tensor, block: int, fp32_scale: bool, out, out_t) -> None:
+    """t [E, R, C] bf16 quantized in block x block blocks, each read once and written both ways: into out =
+    (data [E, R, C], scale [E, nR, nC]) and out_t = (data [E, C, R], scale [E, nC, nR]) (last dims contiguous;
+    checked by `serval.ops.quantize_both_layouts`)."""
+    num_e, R, C = t.shape
+    n_tiles_r, n_tiles_c = common.cdiv(R, block), common.cdiv(C, block)
+    (data, scale), (data_t, scale_t) = out, out_t
+    if n_tiles_r and n_tiles_c and num_e:
+        _both_layouts_kernel[(n_tiles_r * n_tiles_c, num_e)](
+            t, t.stride(0), t.stride(1), data.view(torch.uint8), data.stride(0), data.stride(1), scale,
+            scale.stride(0), scale.stride(1), data_t.view(torch.uint8), data_t.stride(0), data_t.stride(1), scale_t,
+            scale_t.stride(0), scale_t.stride(1), R, C, n_tiles_c, B=block, FP32_SCALE=fp32_scale,
+            EXACT_ROUND=common.INTERPRET, num_warps=quantize_tiles((block, block))[2])
 
 
 def empty_quantized(data_shape, scale_shape, fp32_scale: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
