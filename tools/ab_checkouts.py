@@ -36,18 +36,21 @@ def run(checkout: str, shape: str, bench_args: list[str]) -> list[dict]:
 
 
 def report(records: list[dict]) -> None:
-    keys = sorted({(r["shape"], r["pass"], r.get("settings") and json.dumps(r["settings"])) for r in records},
-                  key=str)
-    print(f"{'shape':<18}{'pass':<8}{'variant':<24}{'this ms':>10}{'other ms':>10}{'this/other':>12}")
-    for shape, pass_name, settings in keys:
+    """The table: per shape, pass and implementation (impl, precision, variant settings), each checkout's median ms
+    and their ratio."""
+    def key(r):
+        settings = r.get("settings") and json.dumps(r["settings"])
+        return r["shape"], r["pass"], f"{r['impl']} {r.get('precision') or 'bf16'}" + (f" {settings}" if settings else "")
+
+    print(f"{'shape':<18}{'pass':<8}{'implementation':<44}{'this ms':>10}{'other ms':>10}{'this/other':>12}")
+    for k in sorted({key(r) for r in records}, key=str):
         def median(which):
-            ms = [r["ms"] for r in records if r["checkout"] == which and r["shape"] == shape and r["pass"] == pass_name
-                  and (r.get("settings") and json.dumps(r["settings"])) == settings and r["ms"] is not None]
+            ms = [r["ms"] for r in records if r["checkout"] == which and key(r) == k and r["ms"] is not None]
             return statistics.median(ms) if ms else None
         this, other = median("this"), median("other")
         ratio = f"{this / other:.3f}" if this and other else "-"
-        print(f"{shape:<18}{pass_name:<8}{(settings or 'default')[:22]:<24}{this or float('nan'):>10.3f}"
-              f"{other or float('nan'):>10.3f}{ratio:>12}")
+        print(f"{k[0]:<18}{k[1]:<8}{k[2][:42]:<44}{this or float('nan'):>10.3f}{other or float('nan'):>10.3f}"
+              f"{ratio:>12}")
 
 
 def main() -> int:
