@@ -1,6 +1,6 @@
 """Does a change to the Triton kernels' code leave their machine code as it was? Every Triton launch a set of
 kernel stages makes (the GEMM stages, the fused passes, their pulls and pushes, the row kernels around them) is
-recorded on the CPU, compiled for sm_90a without a GPU, and its SASS reduced to a fingerprint: the instruction
+recorded on the CPU (the FP8 passes around the GEMMs too), compiled for sm_90a without a GPU, and its SASS reduced to a fingerprint: the instruction
 sequence with the kernel-parameter offsets blanked (a reordered argument list moves them and nothing else), and
 the registers, spills and shared memory. Two runs, before and after a change, compared with `--compare`: equal
 fingerprints mean the same instructions, so the same bits and the same speed on the GPU.
@@ -105,6 +105,11 @@ def _variants(ops_for):
                                                                t["schedule"], push_to=t["slots"]))
         if shape != "aligned":
             continue
+        add("swiglu_fp8", lambda o, t: o.swiglu_fp8(t["d_gate_up"], t["schedule"], 0.5, 128, "fp32"))
+        add("swiglu_backward_fp8", lambda o, t: o.swiglu_backward_fp8(t["h"], _fp8_rows(t["gate_up"]), t["schedule"],
+                                                                      t["rw"].new_zeros(t["schedule"].capacity), 0.5))
+        add("quantize_rows_and_tokens", lambda o, t: o.quantize_rows_and_tokens(
+            t["x"], t["schedule"], 128, "fp32", gather=True, tokens_row_scale=t["rw"].new_zeros(t["schedule"].capacity)))
         add("gate_up-pull", lambda o, t: o.gate_up_swiglu(
             t["x"], t["w_gate"], t["w_up"], t["schedule"], None, pull_from=t["tokens"], pull_flags=t["flags"]),
             {"pull_programs": 8})
@@ -140,6 +145,13 @@ def _variants(ops_for):
             t["x_rows"], t["w_down"], t["w_gate"], t["w_up"], t["gate_up"], t["rw"], t["schedule"], None,
             pull_from=t["tokens"], pull_flags=t["flags"], push_to=t["slots"], quant_block=32))
     return variants
+
+
+def _fp8_rows(t: torch.Tensor):
+    """An empty fp8_blockwise row-quantized copy of t [R, C] (1 x 128 blocks, fp32 scales)."""
+    from serval.values import QuantizedTensor
+    return QuantizedTensor(torch.zeros(t.shape, dtype=torch.float8_e4m3fn),
+                           torch.zeros(t.shape[0], t.shape[1] // 128), (1, 128), False)
 
 
 _CONSTANT = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")

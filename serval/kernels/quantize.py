@@ -62,22 +62,35 @@ def _div_by_block_scale(x, scale, recip):
 
 
 @triton.jit
+def abs_bits(x):
+    """|x|'s bits as int32 (x fp32): their integer max is the exact amax, and a NaN (bits above Inf's) cannot be
+    dropped by it."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
 def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE: tl.constexpr,
                     EXACT_ROUND: tl.constexpr):
     """`serval.ops`' rule, steps 2-5, on a tile x (fp32, already the bf16-rounded values) whose extent along a
     blocked dim equals the block: (e4m3 values, their bytes uint8, the stored scales, blocks with NaN / Inf).
     The scales are [TILE_R, 1] for (1, B) blocks, [1, TILE_C] for (B, 1), [1, 1] for (B, B); fp32, or the E8M0
-    byte. Every kernel that quantizes (this module's, the SwiGLU row passes) calls it: one rule, one code."""
-    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
-    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    byte. Every kernel that quantizes (this module's, the SwiGLU passes) calls it or, where a block's amax is
+    gathered over several loads, `quantize_with_amax`: one rule, one code."""
+    bits = abs_bits(x)
     if BLOCK_R == 1:
-        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
+        amax_bits = tl.max(bits, axis=1, keep_dims=True)  # [TILE_R, 1]
     elif BLOCK_C == 1:
-        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
+        amax_bits = tl.max(bits, axis=0, keep_dims=True)  # [1, TILE_C]
     else:
-        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
-    bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
+        amax_bits = tl.max(tl.max(bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
+    return quantize_with_amax(x, amax_bits, FP32_SCALE, EXACT_ROUND)
 
+
+@triton.jit
+def quantize_with_amax(x, amax_bits, FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """Steps 3-5 of the rule on x (fp32, bf16-rounded values) given its blocks' amax as `abs_bits` (broadcast
+    against x): (e4m3 values, their bytes uint8, the stored scales (amax_bits' shape), blocks with NaN / Inf)."""
+    bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
     if FP32_SCALE:
         amax = amax_bits.to(tl.float32, bitcast=True)
         scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
@@ -99,6 +112,36 @@ def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE:
     byte = tl.where(bad, 0x7F, e4m3.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
 
     return e4m3, byte, stored_scale, bad
+
+
+@triton.jit
+def store_row_blocks(x, rows, col_block, row_ok, data_ptr, scale_ptr, row_len, FP32_SCALE: tl.constexpr,
+                     EXACT_ROUND: tl.constexpr):
+    """x [R, B] (fp32, bf16-rounded values): column block `col_block` of rows `rows` (any rows: scattered ones
+    too) of a [*, row_len] matrix, quantized along the row (one 1 x B block a row) into data [*, row_len] bytes and
+    scale [*, cdiv(row_len, B)]."""
+    B: tl.constexpr = x.shape[1]
+    _, byte, scale, _ = quantize_values(x, 1, B, FP32_SCALE, EXACT_ROUND)
+    rows64 = rows.to(tl.int64)
+    cols = col_block * B + tl.arange(0, B)
+    tl.store(data_ptr + rows64[:, None] * row_len + cols[None, :], byte, mask=row_ok[:, None] & (cols < row_len)[None, :])
+    tl.store(scale_ptr + rows64[:, None] * tl.cdiv(row_len, B) + col_block, scale, mask=row_ok[:, None])
+
+
+@triton.jit
+def store_token_blocks(x, amax_bits, rows, row_block, col_block, row_ok, data_ptr, scale_ptr, num_rows, row_len,
+                       FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """x [R, B] (fp32, bf16-rounded values): rows `rows` (within row block `row_block` of B rows) of column block
+    `col_block` of a [num_rows, row_len] matrix, quantized along tokens (B x 1 blocks) given each column's amax over
+    the whole row block (amax_bits [1, B], `abs_bits`), stored transposed: data [row_len, num_rows] bytes and scale
+    [row_len, cdiv(num_rows, B)] (the same scales from every part of the row block)."""
+    B: tl.constexpr = x.shape[1]
+    _, byte, scale, _ = quantize_with_amax(x, amax_bits, FP32_SCALE, EXACT_ROUND)
+    cols = col_block * B + tl.arange(0, B)
+    col_ok = cols < row_len
+    cols64 = cols.to(tl.int64)
+    tl.store(data_ptr + cols64[:, None] * num_rows + rows[None, :], tl.trans(byte), mask=col_ok[:, None] & row_ok[None, :])
+    tl.store(scale_ptr + cols64[None, :] * tl.cdiv(num_rows, B) + row_block, scale, mask=col_ok[None, :])
 
 
 @triton.jit
