@@ -135,7 +135,8 @@ def quantize_both_layouts(t: torch.Tensor, *, block=(128, 128), scale_format: st
     n_r, n_c = -(-rows // block[0]), -(-cols // block[1])
     fp32_scale = scale_format == "fp32"
     outs = []
-    for o, shapes in ((out, ((num_e, rows, cols), (num_e, n_r, n_c))), (out_t, ((num_e, cols, rows), (num_e, n_c, n_r)))):
+    layouts = ((out, ((num_e, rows, cols), (num_e, n_r, n_c))), (out_t, ((num_e, cols, rows), (num_e, n_c, n_r))))
+    for o, shapes in layouts:
         outs.append(empty_quantized(*shapes, fp32_scale, t.device) if o is None else
                     tuple(x.unsqueeze(0) if squeeze else x for x in o))
     both_layouts_kernel(t3 if t3.stride(-1) == 1 else t3.contiguous(), block[0], fp32_scale, *outs)

@@ -436,15 +436,15 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
 
 def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
                         schedule: Schedule, w_gate, w_up, windows=None, d_y_tokens: QuantizedTensor | None = None):
-    """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
-    rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I] bf16
-    (or already quantized along tokens: the FP8 SwiGLU backward's), the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows); d_w_gate and d_w_up in the layout
-    of the weights w_gate, w_up (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight).
-    windows: the macrobatch ring's
+    """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their rows
+    [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I] bf16 (or
+    already quantized along tokens: the FP8 SwiGLU backward's), the kept h, row_rw fp32 [R] (each row's router
+    weight, 0 on padding rows); d_w_gate and d_w_up in the layout of the weights w_gate, w_up
+    (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight). windows: the macrobatch ring's
     (down, gate/up) `WgradWindow`s of these rows (`serval.kernels.weight_grad`; the gate/up one with outputs
-    (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a
-    window (its rows start on a block_m boundary, a multiple of the block). d_y_tokens: d_y's rows already
-    quantized along tokens and scaled by the router weights (the FP8 backward's, made with its row copy)."""
+    (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a window
+    (its rows start on a block_m boundary, a multiple of the block). d_y_tokens: d_y's rows already quantized along
+    tokens and scaled by the router weights (the FP8 backward's, made with its row copy)."""
     dtype = x.dtype
     d_y_tokens, d_y_tokens_deq = (d_y_tokens, None) if d_y_tokens is not None else _rows_quantized(
         d_y, d_y_rows, schedule, lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))

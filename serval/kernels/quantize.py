@@ -124,7 +124,8 @@ def store_row_blocks(x, rows, col_block, row_ok, data_ptr, scale_ptr, row_len, F
     _, byte, scale, _ = quantize_values(x, 1, B, FP32_SCALE, EXACT_ROUND)
     rows64 = rows.to(tl.int64)
     cols = col_block * B + tl.arange(0, B)
-    tl.store(data_ptr + rows64[:, None] * row_len + cols[None, :], byte, mask=row_ok[:, None] & (cols < row_len)[None, :])
+    tl.store(data_ptr + rows64[:, None] * row_len + cols[None, :], byte,
+             mask=row_ok[:, None] & (cols < row_len)[None, :])
     tl.store(scale_ptr + rows64[:, None] * tl.cdiv(row_len, B) + col_block, scale, mask=row_ok[:, None])
 
 
@@ -140,7 +141,8 @@ def store_token_blocks(x, amax_bits, rows, row_block, col_block, row_ok, data_pt
     cols = col_block * B + tl.arange(0, B)
     col_ok = cols < row_len
     cols64 = cols.to(tl.int64)
-    tl.store(data_ptr + cols64[:, None] * num_rows + rows[None, :], tl.trans(byte), mask=col_ok[:, None] & row_ok[None, :])
+    tl.store(data_ptr + cols64[:, None] * num_rows + rows[None, :], tl.trans(byte),
+             mask=col_ok[:, None] & row_ok[None, :])
     tl.store(scale_ptr + cols64[None, :] * tl.cdiv(num_rows, B) + row_block, scale, mask=col_ok[None, :])
 
 

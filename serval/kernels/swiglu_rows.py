@@ -191,8 +191,9 @@ def swiglu_fp8(gate_up_rows: torch.Tensor, schedule: Schedule, swiglu_limit: flo
                               packed_index(schedule), h_rows.data.view(torch.uint8), h_rows.scale,
                               out_tokens.data.view(torch.uint8), out_tokens.scale, kept.data.view(torch.uint8),
                               kept.scale, num_rows, inter, float(swiglu_limit or 0.0),
-                              HAS_LIMIT=swiglu_limit is not None, TOKENS=tokens, B=block, CHUNK=swiglu_rows_chunk(block, common.INTERPRET),
-                              FP32_SCALE=fp32_scale, EXACT_ROUND=common.INTERPRET, num_warps=SWIGLU_ROWS_WARPS)
+                              HAS_LIMIT=swiglu_limit is not None, TOKENS=tokens, B=block,
+                              CHUNK=swiglu_rows_chunk(block, common.INTERPRET), FP32_SCALE=fp32_scale,
+                              EXACT_ROUND=common.INTERPRET, num_warps=SWIGLU_ROWS_WARPS)
     return h_rows, h_tokens, kept
 
 
