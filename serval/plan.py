@@ -1,9 +1,8 @@
 """The one home of serval's tuning: `KernelPlan`, which engine and which tiles run each GEMM stage of the layer, as
 one frozen value; and every other tile table of the kernels, each a pure function of the shapes and the target:
 the weight gradients' (`wgrad_config`), the block-scaled FP8 GEMMs' (`fp8_triton_tiles`, `fp8_gluon_config`), the
-FP8 quantizers' (`quantize_tiles`, `ROWS_AND_TOKENS_WARPS`) and SwiGLU passes' (`swiglu_rows_chunk`,
-`SWIGLU_ROWS_WARPS`), and the overlap at expert parallelism (MoK's minibatch rule, `minibatch_rows`, and the fused
-passes' communication SMs, `FUSED_COMM_SMS`). docs/DESIGN.md sums up the choices and the evidence.
+FP8 quantizer's (`quantize_tiles`), and the overlap at expert parallelism (MoK's minibatch rule, `minibatch_rows`,
+and the fused passes' communication SMs, `FUSED_COMM_SMS`). docs/DESIGN.md sums up the choices and the evidence.
 
 A plan is chosen by `choose_plan`, a pure function of the problem (hidden size, dtype) and of where it
 runs (`Target`: device capability, Triton release, interpreter), and is passed down to every kernel
@@ -338,20 +337,3 @@ def quantize_tiles(block: tuple[int, int]) -> tuple[int, int, int]:
     if cols == 1:
         return (32, 64, 2) if rows == 32 else (128, 64, 4)
     return (32, 32, 2) if rows == 32 else (128, 128, 4)
-
-
-# The programs that quantize what they compute both ways (along the row and along tokens, one scale block square:
-# 128 x 128 under fp8_blockwise). The FP8 SwiGLU passes (`serval.kernels.swiglu_rows`) walk their tile in chunks of
-# `swiglu_rows_chunk` rows in SWIGLU_ROWS_WARPS warps: on sm_90a (Triton 3.6) 8-row chunks compile to 96 (forward) and
-# 203-228 (backward) registers without spills, 16-row ones to 162 / 246-255, 32-row ones spill in the backward, a
-# whole tile in 16 warps spills 176-744 bytes. The rows-and-tokens quantizer (`quantize.rows_and_tokens`) holds the
-# whole tile in ROWS_AND_TOKENS_WARPS warps (108 registers, no spills). Not yet timed on the GPU.
-SWIGLU_ROWS_WARPS = 4
-ROWS_AND_TOKENS_WARPS = 16
-
-
-def swiglu_rows_chunk(block: int, interpret: bool) -> int:
-    """Rows a chunk of the FP8 SwiGLU passes' tile (see above): 8 on the GPU; under the CPU interpreter, whose time
-    goes by operations, not elements, half the tile (two chunks: the chunk loop and the column amax carried across
-    it still run)."""
-    return max(block // 2, 1) if interpret else min(8, block)

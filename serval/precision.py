@@ -27,10 +27,11 @@ multiple of the block, so no block spans two experts; padding rows are zero. The
 rows unscaled and applies the router weight r in its epilogue, as BF16 does, so that d_router_weights is
 <d_y W_down, h> with no division by r; the w_down gradient takes r * d_y, as MoK's does.
 
-The fp8_blockwise SwiGLU passes (`ops.swiglu_fp8`, `ops.swiglu_backward_fp8`) write only quantized outputs, each
-B x B tile both ways from registers: h along I (the down GEMM's) and along tokens (kept for the w_down gradient),
-the kept pre-activations, d_gate_up along 2I (the gate/up dgrad's) and along tokens (the w_gate / w_up gradients');
-no bf16 h or d_gate_up is made and no quantization pass reads one.
+The fp8_blockwise SwiGLU row passes (`ops.swiglu_fp8`, `ops.swiglu_backward_fp8`) write their outputs
+quantized along the row too (h and the kept pre-activations forward, d_gate_up backward), so no quantization
+pass reads them again; the along-tokens copies stay separate passes. A weight wanted in both layouts (the weight
+cache, `serval.quantize_expert_weights`) is read once for both (`serval.ops.quantize_both_layouts`: a 128 x 128
+block has one scale either way).
 
 Kept for backward (`Kept`): the gate/up pre-activations quantized along 2I in packed rows, and h quantized
 along tokens; x along tokens is rebuilt in backward from x (the same bits, H bytes per row not kept).
@@ -356,9 +357,8 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
         gate_up_rows = ops.fp8_grouped_gemm(x_q, made.gate_up, schedule)
-        # one pass: h quantized along I and along tokens (kept), the pre-activations kept in packed rows
-        h_q, h_tokens, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block,
-                                                recipe.scale_format, tokens=keeps)
+        # one row pass: h, h quantized along I, and the pre-activations kept in packed rows, as BF16 keeps them
+        h, h_q, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block, recipe.scale_format)
         del gate_up_rows
     elif pull is not None:
         gate_up, h = ops.gate_up_swiglu(x, *made.gate_up, schedule, swiglu_limit, quant_block=recipe.block, **pull)
@@ -368,7 +368,7 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
                                         a_rows=None if x_rows is None else x_deq)
     kept = None
     if keeps:
-        kept = Kept(gate_up, h_tokens) if recipe.fp8_gemm else keep(recipe, gate_up, h)
+        kept = Kept(gate_up, recipe.tokens(h, keep=True)[0]) if recipe.fp8_gemm else keep(recipe, gate_up, h)
     if w_down is None:
         return None, kept
     if recipe.fp8_gemm:
@@ -400,16 +400,12 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("down_t", "gate_up_t"))
     at_ep1 = d_y_rows is None
     row_rw = stages.row_weights(router_weights, schedule).float()  # [R], 0 on padding rows
-    d_y_tokens = None
-    if recipe.fp8_gemm:  # d_y's rows read once: quantized along H (the down dgrad's) and along tokens (w_down's)
-        d_y_q, d_y_tokens = ops.quantize_rows_and_tokens(d_y if at_ep1 else d_y_rows, schedule, recipe.block,
-                                                         recipe.scale_format, gather=at_ep1, tokens=weight_grads,
-                                                         tokens_row_scale=row_rw)
+    if recipe.fp8_gemm:  # per token, then the E4M3 rows gathered, as the forward does with x
+        d_y_q = _gathered(ops, recipe.rows(d_y)[0], schedule) if at_ep1 else recipe.rows(d_y_rows)[0]
         d_h_raw = ops.fp8_grouped_gemm(d_y_q, made.down_t, schedule)
         del d_y_q
-        # one pass: d_gate_up quantized along 2I and along tokens (for the weight gradients), d_rw
-        d_gate_up_q, d_gate_up, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw,
-                                                                    swiglu_limit, tokens=weight_grads)
+        d_gate_up, d_gate_up_q, d_rw_rows = ops.swiglu_backward_fp8(d_h_raw, kept.gate_up, schedule, row_rw,
+                                                                    swiglu_limit)
         del d_h_raw
     elif d_y_pull is not None:
         d_gate_up, _, d_rw_rows = ops.down_dgrad_swiglu(d_y_rows, made.down_t, dequantize(kept.gate_up, dtype),
@@ -430,26 +426,23 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
     if not weight_grads:
         return d_x_rows, d_rw_rows, None
     return d_x_rows, d_rw_rows, functools.partial(expert_weight_grads, ops, recipe, d_y, d_y_rows, x, x_rows,
-                                                  d_gate_up, kept, row_rw, schedule, w_gate, w_up,
-                                                  d_y_tokens=d_y_tokens)
+                                                  d_gate_up, kept, row_rw, schedule, w_gate, w_up)
 
 
 def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
-                        schedule: Schedule, w_gate, w_up, windows=None, d_y_tokens: QuantizedTensor | None = None):
-    """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their rows
-    [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I] bf16 (or
-    already quantized along tokens: the FP8 SwiGLU backward's), the kept h, row_rw fp32 [R] (each row's router
-    weight, 0 on padding rows); d_w_gate and d_w_up in the layout of the weights w_gate, w_up
-    (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight). windows: the macrobatch ring's
+                        schedule: Schedule, w_gate, w_up, windows=None):
+    """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
+    rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I],
+    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows); d_w_gate and d_w_up in the layout
+    of the weights w_gate, w_up (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight).
+    windows: the macrobatch ring's
     (down, gate/up) `WgradWindow`s of these rows (`serval.kernels.weight_grad`; the gate/up one with outputs
-    (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a window
-    (its rows start on a block_m boundary, a multiple of the block). d_y_tokens: d_y's rows already quantized along
-    tokens and scaled by the router weights (the FP8 backward's, made with its row copy)."""
+    (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a
+    window (its rows start on a block_m boundary, a multiple of the block)."""
     dtype = x.dtype
-    d_y_tokens, d_y_tokens_deq = (d_y_tokens, None) if d_y_tokens is not None else _rows_quantized(
-        d_y, d_y_rows, schedule, lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
-    d_gate_up_tokens, d_gate_up_tokens_deq = (d_gate_up, None) if isinstance(d_gate_up, QuantizedTensor) else \
-        recipe.tokens(d_gate_up)
+    d_y_tokens, d_y_tokens_deq = _rows_quantized(d_y, d_y_rows, schedule,
+                                                 lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
+    d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
     x_tokens, x_tokens_deq = _rows_quantized(x, x_rows, schedule, recipe.tokens)
     down_window, gate_up_window = windows or (None, None)
     inter = w_gate.shape[1]

@@ -250,48 +250,25 @@ def _rows_quantized(t: torch.Tensor, block: int, scale_format: str, rows_of=None
     return quantize(t, block=(1, block), scale_format=scale_format, rows_of=rows_of)[0]
 
 
-def _tokens_quantized(t: torch.Tensor, block: int, scale_format: str) -> QuantizedTensor:
-    return quantize(t, block=(block, 1), scale_format=scale_format, transpose=True)[0]
-
-
-def quantize_rows_and_tokens(t, schedule: Schedule, block: int, scale_format: str, *, gather: bool,
-                             tokens: bool = True, tokens_row_scale=None):
-    """The routed rows of t (bf16; t's own rows [R, C], or with `gather` the schedule's rows of tokens t [N, C])
-    quantized along the row (1 x block) and, where `tokens` (else None), along tokens (block x 1, stored [C, R];
-    each row scaled by tokens_row_scale [R] fp32 first where given): an FP8 GEMM's A and its weight gradient's
-    operand."""
-    rows_of = (schedule.row_source, schedule.top_k) if gather else None
-    rows = quantize(t, block=(1, block), scale_format=scale_format, rows_of=rows_of)[0]
-    if not tokens:
-        return rows, None
-    return rows, quantize(t, block=(block, 1), scale_format=scale_format, transpose=True,
-                          row_scale=tokens_row_scale, rows_of=rows_of)[0]
-
-
-def swiglu_fp8(gate_up_rows, schedule: Schedule, swiglu_limit: float | None, block: int, scale_format: str,
-               tokens: bool = True):
-    """The SwiGLU forward of the block-scaled FP8 path, from gate_up rows [R, 2I] (bf16): (h quantized along I,
-    h quantized along tokens and stored [I, R] (None unless `tokens`), the gate/up pre-activations quantized along
-    2I in packed rows [num_packed, 2I]), blocks of `block` of scale_format; h rounded to bf16 first."""
+def swiglu_fp8(gate_up_rows, schedule: Schedule, swiglu_limit: float | None, block: int, scale_format: str):
+    """The SwiGLU forward of the block-scaled FP8 path, from gate_up rows [R, 2I] (bf16): (h bf16 [R, I],
+    h quantized along I, the gate/up pre-activations quantized along 2I in packed rows [num_packed, 2I]),
+    1 x block blocks of scale_format."""
     h = swiglu(gate_up_rows, swiglu_limit)
     kept = _rows_quantized(gate_up_rows, block, scale_format, rows_of=(packed_rows(schedule), 1))
-    return (_rows_quantized(h, block, scale_format), _tokens_quantized(h, block, scale_format) if tokens else None,
-            kept)
+    return h, _rows_quantized(h, block, scale_format), kept
 
 
 def swiglu_backward_fp8(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, row_router_weights,
-                        swiglu_limit: float | None, tokens: bool = True):
+                        swiglu_limit: float | None):
     """The SwiGLU backward of the block-scaled FP8 path: d_h_raw [R, I] (the down dgrad, bf16) and the kept
-    pre-activations (quantized, packed rows), dequantized to bf16. Returns (d_gate_up [R, 2I] (rounded to bf16)
-    quantized along 2I in the kept copy's blocks and scale format, d_gate_up quantized along tokens and stored
-    [2I, R] (None unless `tokens`), d_rw_rows fp32 [R])."""
+    pre-activations (quantized, packed rows), dequantized to bf16. Returns (d_gate_up bf16 [R, 2I], d_gate_up
+    quantized along 2I in the kept copy's blocks and scale format, d_rw_rows fp32 [R])."""
     gate_up_rows = unpacked(dequantize(gate_up, torch.bfloat16), schedule)
     d_gate_up, _, d_rw_rows = swiglu_backward(d_h_raw, gate_up_rows, row_router_weights, swiglu_limit,
                                               torch.bfloat16)
     scale_format = "fp32" if gate_up.scale.dtype == torch.float32 else "e8m0"
-    block = gate_up.block[1]
-    return (_rows_quantized(d_gate_up, block, scale_format),
-            _tokens_quantized(d_gate_up, block, scale_format) if tokens else None, d_rw_rows)
+    return d_gate_up, _rows_quantized(d_gate_up, gate_up.block[1], scale_format), d_rw_rows
 
 
 def fp8_weight_grad(a: QuantizedTensor, b: QuantizedTensor, schedule: Schedule, out=None) -> torch.Tensor:

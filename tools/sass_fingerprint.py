@@ -108,8 +108,6 @@ def _variants(ops_for):
         add("swiglu_fp8", lambda o, t: o.swiglu_fp8(t["d_gate_up"], t["schedule"], 0.5, 128, "fp32"))
         add("swiglu_backward_fp8", lambda o, t: o.swiglu_backward_fp8(t["h"], _fp8_rows(t["gate_up"]), t["schedule"],
                                                                       t["rw"].new_zeros(t["schedule"].capacity), 0.5))
-        add("quantize_rows_and_tokens", lambda o, t: o.quantize_rows_and_tokens(
-            t["x"], t["schedule"], 128, "fp32", gather=True, tokens_row_scale=t["rw"].new_zeros(t["schedule"].capacity)))
         add("gate_up-pull", lambda o, t: o.gate_up_swiglu(
             t["x"], t["w_gate"], t["w_up"], t["schedule"], None, pull_from=t["tokens"], pull_flags=t["flags"]),
             {"pull_programs": 8})

@@ -15,10 +15,10 @@ One module per engine or job:
     weight_grad.py        the grouped weight gradients over the token axis
     fp8_gemm.py           block-scaled FP8 grouped GEMM and weight gradient (Triton; Gluon on Hopper)
     gluon_fp8.py          Gluon cooperative FP8 GEMM, the scales applied per 128-K step (sm_90, Triton 3.6)
-    quantize.py           FP8 quantization (serval.ops.quantize on the GPU; rows and tokens from one read)
+    quantize.py           FP8 quantization (serval.ops.quantize on the GPU)
     rows.py               gather, combine and slot sums (memory-bound row passes)
     swiglu.py             the SwiGLU math of every epilogue
-    swiglu_rows.py        the SwiGLU forward and backward of the FP8 path, outputs quantized both ways
+    swiglu_rows.py        the SwiGLU forward and backward as row passes, outputs also row-quantized (the FP8 path)
     common.py             interpreter, target, TMA allocator, SM count, output allocation, tile order
 """
 
@@ -30,10 +30,8 @@ import warnings
 import torch
 
 from ..plan import GLUON_VERSIONS, KernelPlan, choose_plan
-from ..values import QuantizedTensor
 from . import fp8_gemm, gemm_stages, swiglu_rows
 from .common import INTERPRET, target
-from .quantize import rows_and_tokens
 from .rows import combine, gather, sum_slots
 from .weight_grad import down_weight_grad, gate_up_weight_grad
 
@@ -79,16 +77,6 @@ class KernelStages:
     gate_up_weight_grad = staticmethod(gate_up_weight_grad)
     down_weight_grad = staticmethod(down_weight_grad)
     swiglu_fp8 = staticmethod(swiglu_rows.swiglu_fp8)
-
-    @staticmethod
-    def quantize_rows_and_tokens(t, schedule, block: int, scale_format: str, *, gather: bool, tokens: bool = True,
-                                 tokens_row_scale=None):
-        """`serval.stages.quantize_rows_and_tokens` from one read (`quantize.rows_and_tokens`)."""
-        rows_of = (schedule.row_source, schedule.top_k) if gather else None
-        rows, along_tokens = rows_and_tokens(t, schedule.expert_offsets[schedule.num_experts:], block,
-                                             scale_format == "fp32", rows_of, tokens, tokens_row_scale)
-        return (QuantizedTensor(*rows, (1, block), False),
-                QuantizedTensor(*along_tokens, (block, 1), True) if tokens else None)
     swiglu_backward_fp8 = staticmethod(swiglu_rows.swiglu_backward_fp8)
 
     def gate_up_swiglu(self, *args, **kwargs):

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import ROWS_AND_TOKENS_WARPS, quantize_tiles
+from ..plan import quantize_tiles
 from . import common
 
 _EXACT_ROUND: tl.constexpr = tl.constexpr(common.INTERPRET)  # `quantize_values`' EXACT_ROUND in jitted callers
@@ -62,35 +62,22 @@ def _div_by_block_scale(x, scale, recip):
 
 
 @triton.jit
-def abs_bits(x):
-    """|x|'s bits as int32 (x fp32): their integer max is the exact amax, and a NaN (bits above Inf's) cannot be
-    dropped by it."""
-    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
 def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE: tl.constexpr,
                     EXACT_ROUND: tl.constexpr):
     """`serval.ops`' rule, steps 2-5, on a tile x (fp32, already the bf16-rounded values) whose extent along a
     blocked dim equals the block: (e4m3 values, their bytes uint8, the stored scales, blocks with NaN / Inf).
     The scales are [TILE_R, 1] for (1, B) blocks, [1, TILE_C] for (B, 1), [1, 1] for (B, B); fp32, or the E8M0
-    byte. Every kernel that quantizes (this module's, the SwiGLU passes) calls it or, where a block's amax is
-    gathered over several loads, `quantize_with_amax`: one rule, one code."""
-    bits = abs_bits(x)
+    byte. Every kernel that quantizes (this module's, the SwiGLU row passes) calls it: one rule, one code."""
+    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
+    abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if BLOCK_R == 1:
-        amax_bits = tl.max(bits, axis=1, keep_dims=True)  # [TILE_R, 1]
+        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
     elif BLOCK_C == 1:
-        amax_bits = tl.max(bits, axis=0, keep_dims=True)  # [1, TILE_C]
+        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
     else:
-        amax_bits = tl.max(tl.max(bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
-    return quantize_with_amax(x, amax_bits, FP32_SCALE, EXACT_ROUND)
-
-
-@triton.jit
-def quantize_with_amax(x, amax_bits, FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """Steps 3-5 of the rule on x (fp32, bf16-rounded values) given its blocks' amax as `abs_bits` (broadcast
-    against x): (e4m3 values, their bytes uint8, the stored scales (amax_bits' shape), blocks with NaN / Inf)."""
+        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
     bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
+
     if FP32_SCALE:
         amax = amax_bits.to(tl.float32, bitcast=True)
         scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
@@ -112,65 +99,6 @@ def quantize_with_amax(x, amax_bits, FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.c
     byte = tl.where(bad, 0x7F, e4m3.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
 
     return e4m3, byte, stored_scale, bad
-
-
-@triton.jit
-def store_row_blocks(x, rows, col_block, row_ok, data_ptr, scale_ptr, row_len, FP32_SCALE: tl.constexpr,
-                     EXACT_ROUND: tl.constexpr):
-    """x [R, B] (fp32, bf16-rounded values): column block `col_block` of rows `rows` (any rows: scattered ones
-    too) of a [*, row_len] matrix, quantized along the row (one 1 x B block a row) into data [*, row_len] bytes and
-    scale [*, cdiv(row_len, B)]."""
-    B: tl.constexpr = x.shape[1]
-    _, byte, scale, _ = quantize_values(x, 1, B, FP32_SCALE, EXACT_ROUND)
-    rows64 = rows.to(tl.int64)
-    cols = col_block * B + tl.arange(0, B)
-    tl.store(data_ptr + rows64[:, None] * row_len + cols[None, :], byte,
-             mask=row_ok[:, None] & (cols < row_len)[None, :])
-    tl.store(scale_ptr + rows64[:, None] * tl.cdiv(row_len, B) + col_block, scale, mask=row_ok[:, None])
-
-
-@triton.jit
-def store_token_blocks(x, amax_bits, rows, row_block, col_block, row_ok, data_ptr, scale_ptr, num_rows, row_len,
-                       FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """x [R, B] (fp32, bf16-rounded values): rows `rows` (within row block `row_block` of B rows) of column block
-    `col_block` of a [num_rows, row_len] matrix, quantized along tokens (B x 1 blocks) given each column's amax over
-    the whole row block (amax_bits [1, B], `abs_bits`), stored transposed: data [row_len, num_rows] bytes and scale
-    [row_len, cdiv(num_rows, B)] (the same scales from every part of the row block)."""
-    B: tl.constexpr = x.shape[1]
-    _, byte, scale, _ = quantize_with_amax(x, amax_bits, FP32_SCALE, EXACT_ROUND)
-    cols = col_block * B + tl.arange(0, B)
-    col_ok = cols < row_len
-    cols64 = cols.to(tl.int64)
-    tl.store(data_ptr + cols64[:, None] * num_rows + rows[None, :], tl.trans(byte),
-             mask=col_ok[:, None] & row_ok[None, :])
-    tl.store(scale_ptr + cols64[None, :] * tl.cdiv(num_rows, B) + row_block, scale, mask=col_ok[None, :])
-
-
-@triton.jit
-def store_rows_and_tokens(x, row_block, col_block, row_ok, col_ok, rows_data_ptr, rows_scale_ptr, row_len,
-                          tokens_data_ptr, tokens_scale_ptr, num_rows, ROWS: tl.constexpr, TOKENS: tl.constexpr,
-                          FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """A square tile x [B, B] (fp32, bf16-rounded values) at block (row_block, col_block) of a [num_rows, row_len]
-    matrix, quantized the two ways a GEMM and its weight gradient read it, from one read: ROWS along the row
-    (1 x B blocks) into data [*, row_len] bytes and scale [*, cdiv(row_len, B)]; TOKENS along the rows
-    (B x 1 blocks) stored transposed, data [row_len, num_rows] bytes and scale [row_len, cdiv(num_rows, B)] (K
-    contiguous, as an FP8 weight gradient reads it). The bits of `quantize` with blocks (1, B) and (B, 1) transposed
-    on the same values; x holds zeros where row_ok / col_ok are false (as the quantizer's masked loads read)."""
-    B: tl.constexpr = x.shape[0]
-    rows = row_block * B + tl.arange(0, B)
-    cols = col_block * B + tl.arange(0, B)
-    if ROWS:
-        _, byte, scale, _ = quantize_values(x, 1, B, FP32_SCALE, EXACT_ROUND)
-        rows64 = rows.to(tl.int64)
-        tl.store(rows_data_ptr + rows64[:, None] * row_len + cols[None, :], byte,
-                 mask=row_ok[:, None] & col_ok[None, :])
-        tl.store(rows_scale_ptr + rows64[:, None] * tl.cdiv(row_len, B) + col_block, scale, mask=row_ok[:, None])
-    if TOKENS:
-        _, byte, scale, _ = quantize_values(x, B, 1, FP32_SCALE, EXACT_ROUND)
-        cols64 = cols.to(tl.int64)
-        tl.store(tokens_data_ptr + cols64[:, None] * num_rows + rows[None, :], tl.trans(byte),
-                 mask=col_ok[:, None] & row_ok[None, :])
-        tl.store(tokens_scale_ptr + cols64[None, :] * tl.cdiv(num_rows, B) + row_block, scale, mask=col_ok[None, :])
 
 
 @triton.jit
@@ -264,63 +192,6 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
 
 
 @triton.jit
-def _rows_and_tokens_kernel(t_ptr, stride_t, row_source_ptr, top_k, row_scale_ptr, used_rows_ptr, rows_data_ptr,
-                            rows_scale_ptr, tokens_data_ptr, tokens_scale_ptr, num_rows, num_cols,
-                            B: tl.constexpr, GATHER: tl.constexpr, TOKENS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-                            FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """One [B, B] tile of the routed rows read once (bf16; through the schedule where GATHER) and stored quantized
-    along the row and, where TOKENS, along tokens (scaled by row_scale where HAS_ROW_SCALE) (`rows_and_tokens`)."""
-    row_block = tl.program_id(0)
-    col_block = tl.program_id(1)
-    if row_block * B < tl.load(used_rows_ptr):
-        rows = row_block * B + tl.arange(0, B)
-        cols = col_block * B + tl.arange(0, B)
-        row_ok = rows < num_rows
-        col_ok = cols < num_cols
-        mask = row_ok[:, None] & col_ok[None, :]
-        if GATHER:  # row r is t[row_source[r] // top_k], zeros where row_source[r] < 0
-            source = tl.load(row_source_ptr + rows, mask=row_ok, other=-1)
-            token = tl.where(source >= 0, source // top_k, 0)
-            x = tl.load(t_ptr + token.to(tl.int64)[:, None] * stride_t + cols[None, :],
-                        mask=mask & (source >= 0)[:, None], other=0.0)
-        else:
-            x = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
-        x = common.bf16_to_f32(x)
-        store_rows_and_tokens(x, row_block, col_block, row_ok, col_ok, rows_data_ptr, rows_scale_ptr, num_cols,
-                              tokens_data_ptr, tokens_scale_ptr, num_rows, True, TOKENS and not HAS_ROW_SCALE,
-                              FP32_SCALE, EXACT_ROUND)
-        if TOKENS and HAS_ROW_SCALE:
-            scaled = common.round_bf16(x * tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0)[:, None])
-            store_rows_and_tokens(scaled, row_block, col_block, row_ok, col_ok, rows_data_ptr, rows_scale_ptr,
-                                  num_cols, tokens_data_ptr, tokens_scale_ptr, num_rows, False, True, FP32_SCALE,
-                                  EXACT_ROUND)
-
-
-def rows_and_tokens(t: torch.Tensor, used_rows: torch.Tensor, block: int, fp32_scale: bool,
-                    rows_of: tuple[torch.Tensor, int] | None, tokens: bool, tokens_row_scale: torch.Tensor | None):
-    """The routed rows of t (bf16: t [R, C] itself, or with rows_of = (row_source [R], top_k) the rows
-    t[row_source // top_k] of tokens t [N, C], zeros where -1) quantized from one read both ways: ((data [R, C],
-    scale [R, cdiv(C, block)]) along the row, (data [C, R], scale [C, cdiv(R, block)]) along tokens (None unless
-    `tokens`), each row scaled by tokens_row_scale [R] (fp32) where given) - the bits of `quantize` (1, block) and
-    (block, 1) transposed. Row blocks from used_rows[0] (the schedule's used rows, on the device) on are left
-    unwritten."""
-    num_rows = rows_of[0].shape[0] if rows_of is not None else t.shape[0]
-    num_cols = t.shape[1]
-    device = t.device
-    n_c, n_r = common.cdiv(num_cols, block), common.cdiv(num_rows, block)
-    rows = empty_quantized((num_rows, num_cols), (num_rows, n_c), fp32_scale, device)
-    along_tokens = empty_quantized((num_cols, num_rows), (num_cols, n_r), fp32_scale, device) if tokens else rows
-    if n_r and n_c:
-        _rows_and_tokens_kernel[(n_r, n_c)](
-            t, t.stride(0), rows_of[0] if rows_of is not None else t, rows_of[1] if rows_of is not None else 1,
-            tokens_row_scale.contiguous() if tokens_row_scale is not None else t, used_rows,
-            rows[0].view(torch.uint8), rows[1], along_tokens[0].view(torch.uint8), along_tokens[1], num_rows,
-            num_cols, B=block, GATHER=rows_of is not None, TOKENS=tokens, HAS_ROW_SCALE=tokens_row_scale is not None,
-            FP32_SCALE=fp32_scale, EXACT_ROUND=common.INTERPRET, num_warps=ROWS_AND_TOKENS_WARPS)
-    return rows, along_tokens if tokens else None
-
-
-@triton.jit
 def _both_layouts_kernel(t_ptr, stride_te, stride_tr, data_ptr, stride_de, stride_dr, scale_ptr, stride_se,
                          stride_sr, data_t_ptr, stride_dte, stride_dtr, scale_t_ptr, stride_ste, stride_str, R, C,
                          n_tiles_c, B: tl.constexpr, FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
@@ -332,7 +203,8 @@ def _both_layouts_kernel(t_ptr, stride_te, stride_tr, data_ptr, stride_de, strid
     rows = row_block * B + tl.arange(0, B)
     cols = col_block * B + tl.arange(0, B)
     mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(t_ptr + e * stride_te + rows.to(tl.int64)[:, None] * stride_tr + cols[None, :], mask=mask,
+                other=0.0)
     _, byte, scale, _ = quantize_values(common.bf16_to_f32(x), B, B, FP32_SCALE, EXACT_ROUND)
     tl.store(data_ptr + e * stride_de + rows.to(tl.int64)[:, None] * stride_dr + cols[None, :], byte, mask=mask)
     tl.store(data_t_ptr + e * stride_dte + cols.to(tl.int64)[:, None] * stride_dtr + rows[None, :], tl.trans(byte),
