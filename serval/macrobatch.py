@@ -151,7 +151,7 @@ def backward(plan: PassPlan, d_y, x, row_router_weights, schedule: Schedule, gat
             ops.down_weight_grad(d_y_rows, h_weighted, s, window=wgrad_windows[0])
             ops.gate_up_weight_grad(d_gate_up, x, s, x_rows=x_rows, window=wgrad_windows[1])
         elif wgrad_windows is not None and fused:  # mxfp8: the operands quantized along tokens, window by window
-            precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept,
+            precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, recipe.tokens(d_gate_up), kept,
                                           stages.row_weights(row_router_weights, s).float(), s, w_gate, w_up,
                                           wgrad_windows)
 

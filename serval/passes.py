@@ -330,8 +330,9 @@ def _recipe_fused_backward(plan: PassPlan, d_y, x, row_router_weights, schedule:
     d_w_gate = d_w_up = d_w_down = None
     if weight_grads:
         row_rw = stages.row_weights(row_router_weights, schedule).float()
-        d_w_gate, d_w_up, d_w_down = precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows, d_gate_up,
-                                                                   keeps, row_rw, schedule, w_gate, w_up)
+        d_w_gate, d_w_up, d_w_down = precision.expert_weight_grads(ops, recipe, d_y, d_y_rows, x, x_rows,
+                                                                   recipe.tokens(d_gate_up), keeps, row_rw, schedule,
+                                                                   w_gate, w_up)
     return RoutedGrads(d_x, d_rw_rows, d_w_gate, d_w_up, d_w_down, shared_grads)
 
 

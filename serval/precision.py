@@ -417,32 +417,38 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
                                                         router_weights, schedule, swiglu_limit)
         del d_y_deq
     if recipe.fp8_gemm:
+        # d_gate_up along tokens (the weight gradients') now, so that the bf16 d_gate_up, which no FP8 GEMM reads,
+        # goes before the gate/up dgrad makes d_x's rows (peak memory)
+        d_gate_up_tokens = recipe.tokens(d_gate_up) if weight_grads else None
+        del d_gate_up
         d_x_rows = ops.fp8_grouped_gemm(d_gate_up_q, made.gate_up_t, schedule)
         del d_gate_up_q
     else:
         d_gate_up_deq = recipe.rows(d_gate_up)[1]
         d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, *made.gate_up_t, schedule, **push_keywords(push_to))
         del d_gate_up_deq
+        d_gate_up_tokens = recipe.tokens(d_gate_up) if weight_grads else None
+        del d_gate_up
     if not weight_grads:
         return d_x_rows, d_rw_rows, None
     return d_x_rows, d_rw_rows, functools.partial(expert_weight_grads, ops, recipe, d_y, d_y_rows, x, x_rows,
-                                                  d_gate_up, kept, row_rw, schedule, w_gate, w_up)
+                                                  d_gate_up_tokens, kept, row_rw, schedule, w_gate, w_up)
 
 
-def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up, kept: Kept, row_rw,
+def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up_tokens, kept: Kept, row_rw,
                         schedule: Schedule, w_gate, w_up, windows=None):
     """(d_w_gate, d_w_up, d_w_down) from their operands quantized along tokens: d_y and x [N, H] (bf16) with their
-    rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up [R, 2I],
-    the kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows); d_w_gate and d_w_up in the layout
-    of the weights w_gate, w_up (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight).
-    windows: the macrobatch ring's
-    (down, gate/up) `WgradWindow`s of these rows (`serval.kernels.weight_grad`; the gate/up one with outputs
-    (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie whole in a
-    window (its rows start on a block_m boundary, a multiple of the block)."""
+    rows [R, H] pulled at EP (None at EP=1: the tokens' rows are read through the schedule), d_gate_up_tokens
+    (`Recipe.tokens` of d_gate_up [R, 2I]: the copy and, where the GEMMs run in BF16, its dequantized values), the
+    kept h, row_rw fp32 [R] (each row's router weight, 0 on padding rows); d_w_gate and d_w_up in the layout of the
+    weights w_gate, w_up (`serval.weight_layout.grad_buffers`: halves of one tensor for a joined weight). windows:
+    the macrobatch ring's (down, gate/up) `WgradWindow`s of these rows (`serval.kernels.weight_grad`; the gate/up
+    one with outputs (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie
+    whole in a window (its rows start on a block_m boundary, a multiple of the block)."""
     dtype = x.dtype
     d_y_tokens, d_y_tokens_deq = _rows_quantized(d_y, d_y_rows, schedule,
                                                  lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
-    d_gate_up_tokens, d_gate_up_tokens_deq = recipe.tokens(d_gate_up)
+    d_gate_up_tokens, d_gate_up_tokens_deq = d_gate_up_tokens
     x_tokens, x_tokens_deq = _rows_quantized(x, x_rows, schedule, recipe.tokens)
     down_window, gate_up_window = windows or (None, None)
     inter = w_gate.shape[1]
