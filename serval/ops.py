@@ -120,7 +120,7 @@ def quantize_both_layouts(t: torch.Tensor, *, block=(128, 128), scale_format: st
     if block[0] != block[1] or t.dtype != torch.bfloat16:
         raise ValueError(f"quantize_both_layouts: needs square blocks and a bf16 t, got block {block}, {t.dtype}")
     rows = t.shape[-2]
-    for name, o, transpose in (("out", out, False), ("out_t", out_t, True)):
+    for o, transpose in ((out, False), (out_t, True)):
         if o is not None:
             _check_out(t, block, scale_format, transpose, o, rows)
     if not (backend == "triton" or (backend == "auto" and t.is_cuda)):

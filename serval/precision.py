@@ -175,10 +175,10 @@ def _fp8_layouts(recipe: Recipe, w, layouts: tuple[bool, ...], outs: dict | None
     [E, A, B] for a GEMM whose K is B, [E, B, A] for K = A): {transposed: QuantizedTensor}, written into
     outs[transposed] = (data, scale) where given. Both layouts from one read where both are wanted
     (`quantize_both_layouts`)."""
-    outs = outs or {}
-    kwargs = dict(block=recipe.weight_block, scale_format=recipe.scale_format)
     if not layouts:
         return {}
+    outs = outs or {}
+    kwargs = dict(block=recipe.weight_block, scale_format=recipe.scale_format)
     if len(layouts) == 2:
         q, q_t = quantize_both_layouts(w, out=outs.get(False), out_t=outs.get(True), **kwargs)
         return {False: q, True: q_t}
@@ -427,6 +427,7 @@ def backward(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, kept: Kept, router_w
         d_gate_up_deq = recipe.rows(d_gate_up)[1]
         d_x_rows = ops.gate_up_dgrad(d_gate_up_deq, *made.gate_up_t, schedule, **push_keywords(push_to))
         del d_gate_up_deq
+        # along tokens here (its dequantized copy is as large as d_gate_up): the weight gradients take it as made
         d_gate_up_tokens = recipe.tokens(d_gate_up) if weight_grads else None
         del d_gate_up
     if not weight_grads:
