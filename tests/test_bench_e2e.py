@@ -7,7 +7,12 @@ import json
 import os
 import sys
 
+import pytest
 import torch
+
+from serval.integrations import TRANSFORMERS_MIN
+
+pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -16,9 +21,9 @@ import bench_e2e  # noqa: E402
 
 
 def run_script(monkeypatch, capsys, *args):
-    """bench_e2e.py --smoke --models qwen3-30b-a3b ARGS; its stdout. Deterministic mode (--determinism) is
-    switched off again after it."""
-    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--smoke", "--models", "qwen3-30b-a3b", *args])
+    """bench_e2e.py --smoke --device cpu --models qwen3-30b-a3b ARGS (on the CPU where there is a GPU too: fp32,
+    the checks below are fp32's); its stdout. Deterministic mode (--determinism) is switched off again after it."""
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--smoke", "--device", "cpu", "--models", "qwen3-30b-a3b", *args])
     try:
         bench_e2e.main()
     finally:

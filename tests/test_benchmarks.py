@@ -120,11 +120,13 @@ def test_bench_layer_tiny(tmp_path):
 
 def test_bench_layer_fp8_weights_once_per_step(tmp_path):
     """--fp8-weights both: each FP8 precision also as impl "serval (weights once per step)" (the expert weights
-    quantized once and passed in), checked and timed like the per-call one."""
+    quantized once and passed in), checked and timed like the per-call one. --tol 0.15: mxfp8's errors against
+    bf16 are ~0.075 on every shape, but on tiny-a's 96 routing weights they scatter (up to 0.0995 over 40 CPU
+    seeds; one draw on the H200 went past the default 0.1)."""
     out = tmp_path / "records.json"
     run_script(os.path.join(BENCHMARKS, "bench_layer.py"), "--tiny", "--shapes", "tiny-a", "--scopes", "routed",
                "--passes", "fwdbwd", "--impls", "serval", "--precisions", "bf16,mxfp8", "--fp8-weights", "both",
-               "--iters", "2", "--warmup", "1", "--soak", "0", "--out", str(out))
+               "--tol", "0.15", "--iters", "2", "--warmup", "1", "--soak", "0", "--out", str(out))
     records = [r for r in json.load(open(out)) if r["scope"] != "dense"]
     assert sorted((r["impl"], r["precision"]) for r in records) == [
         ("serval", "bf16"), ("serval", "mxfp8"), ("serval (weights once per step)", "mxfp8")]

@@ -12,15 +12,22 @@ from serval import pass_plan, stages
 from serval.kernels import KernelStages
 from serval.plan import KernelPlan
 
+from conftest import CUDA
+
+# where the kernels run: the GPU, else the CPU through Triton's interpreter (conftest sets it there)
+DEVICE = "cuda" if CUDA else "cpu"
+
 
 def _plan(config, *, ep_size=1, ring_rows=0, capacity_rows=0, inter=128, shared=False):
-    x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    w_gate = torch.zeros(2, inter, 64, dtype=torch.bfloat16)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    w_gate = torch.zeros(2, inter, 64, dtype=torch.bfloat16, device=DEVICE)
     workspace = None
     if ep_size > 1:  # what the plan reads of an EP workspace
         workspace = types.SimpleNamespace(transport=object(), ep_size=ep_size, ring_rows=ring_rows,
                                           capacity_rows=capacity_rows)
-    shared_weights = (torch.zeros(32, 64), torch.zeros(32, 64), torch.zeros(64, 32)) if shared else None
+    shared_weights = None
+    if shared:
+        shared_weights = tuple(torch.zeros(*size, device=DEVICE) for size in ((32, 64), (32, 64), (64, 32)))
     return pass_plan.plan_pass(config, x, w_gate, shared_weights, workspace)
 
 

@@ -45,7 +45,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.dirname(RESULTS))
 import bench_layer  # noqa: E402  (puts this checkout's serval first on the path)
 
-from serval.kernels import in_gemm_pull  # noqa: E402
+from serval.kernels import gemm_tile, in_gemm_pull  # noqa: E402
 from serval.plan import KernelPlan  # noqa: E402
 from serval.transport import symm  # noqa: E402
 
@@ -54,13 +54,10 @@ COMM_BLOCK_M = 128  # rows per step of a communication program (the gate/up GEMM
 
 
 @triton.jit
-def _comm_programs_kernel(table_ptr, row_source_ptr, out_ptr, flags_ptr, num_m_tiles, rows_per_rank, K,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, PROGRAMS: tl.constexpr,
-                          ALIGNED: tl.constexpr):
+def _comm_programs_kernel(pull, a, row_source_ptr, num_m_tiles, K, BLOCK_M: tl.constexpr, P: tl.constexpr):
     """The communication programs alone: epoch 1, top_k 1 (a row's source is its owner's token row), no proxy
     fence (nothing reads the rows with TMA here)."""
-    in_gemm_pull.pull_tiles(table_ptr, row_source_ptr, out_ptr, K, flags_ptr, 1, num_m_tiles, rows_per_rank, 1, K,
-                            BLOCK_M, BLOCK_C, PROGRAMS, ALIGNED, False)
+    in_gemm_pull.pull_tiles(pull, a, row_source_ptr, 1, num_m_tiles, K, BLOCK_M, P)
 
 
 MODES = ["all", "one"]
@@ -135,11 +132,15 @@ def transfers(rows, hidden, rank, world_size, device, group, comm_programs, comm
     comm_out = torch.empty(num_m_tiles * COMM_BLOCK_M, hidden, dtype=torch.bfloat16, device=device)
     comm_flags = torch.zeros(num_m_tiles, dtype=torch.int32, device=device)
 
+    # the pull's bundles as the GEMMs pass them (`in_gemm_pull.kernel_arguments`): no epoch bump, no round trip
+    comm_tables = in_gemm_pull.PullTables(buffer.table, rows, 1, comm_flags, torch.ones(1, dtype=torch.int32,
+                                                                                          device=device), None)
+    comm_a = gemm_tile.Rows(comm_out, comm_out.stride(0), comm_out.shape[0])
+
     def comm(programs):
-        _comm_programs_kernel[(programs,)](buffer.table, comm_source, comm_out, comm_flags, num_m_tiles, rows, hidden,
-                                           BLOCK_M=COMM_BLOCK_M, BLOCK_C=comm_block_c,
-                                           PROGRAMS=programs,
-                                           ALIGNED=buffer.aligned, num_warps=8)
+        steps = in_gemm_pull.PullSteps(programs, comm_block_c, buffer.aligned, 0, False, False)
+        _comm_programs_kernel[(programs,)](comm_tables, comm_a, comm_source, num_m_tiles, hidden,
+                                           BLOCK_M=COMM_BLOCK_M, P=steps, num_warps=8)
 
     def check_comm(programs):
         comm(programs)

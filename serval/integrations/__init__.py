@@ -8,3 +8,7 @@
 Nothing here is imported by `import serval`: `pip install serval` needs neither library
 (`pip install 'serval[transformers]'` / `'serval[torchtitan]'` bring them).
 """
+
+# the oldest transformers whose experts and expert-parallel interfaces `transformers.py` registers with (as
+# pyproject's extra "transformers" pins it); older ones are refused at import by name
+TRANSFORMERS_MIN = "5.23"

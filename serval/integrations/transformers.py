@@ -31,11 +31,21 @@ own expert parallelism with local ids (use ep_implementation="serval").
 from __future__ import annotations
 
 import torch
-from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
-from transformers.integrations import moe as transformers_moe
+import transformers
+from packaging.version import Version  # a requirement of transformers
 
-from ..api import moe
-from ..config import DEFAULT_CONFIG, Config
+from . import TRANSFORMERS_MIN
+
+if Version(transformers.__version__) < Version(TRANSFORMERS_MIN):
+    raise ImportError(f"serval.integrations.transformers needs transformers>={TRANSFORMERS_MIN} (its experts and "
+                      f"expert-parallel interfaces), found {transformers.__version__}: "
+                      "pip install 'serval[transformers]'")
+
+from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface  # noqa: E402
+from transformers.integrations import moe as transformers_moe  # noqa: E402
+
+from ..api import moe  # noqa: E402
+from ..config import DEFAULT_CONFIG, Config  # noqa: E402
 
 NAME = "serval"
 CONFIG_ATTRIBUTE = "serval_config"  # set on each experts module by `use_serval`
