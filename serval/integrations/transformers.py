@@ -36,10 +36,16 @@ from packaging.version import Version  # a requirement of transformers
 
 from . import TRANSFORMERS_MIN
 
-if Version(transformers.__version__) < Version(TRANSFORMERS_MIN):
-    raise ImportError(f"serval.integrations.transformers needs transformers>={TRANSFORMERS_MIN} (its experts and "
-                      f"expert-parallel interfaces), found {transformers.__version__}: "
-                      "pip install 'serval[transformers]'")
+
+def check_transformers_version(version: str) -> None:
+    """ImportError, naming the version needed and how to get it, unless transformers `version` has the experts and
+    expert-parallel interfaces this module registers with (an older one fails deeper, on a missing submodule)."""
+    if Version(version) < Version(TRANSFORMERS_MIN):
+        raise ImportError(f"serval.integrations.transformers needs transformers>={TRANSFORMERS_MIN} (its experts "
+                          f"and expert-parallel interfaces), found {version}: pip install 'serval[transformers]'")
+
+
+check_transformers_version(transformers.__version__)
 
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface  # noqa: E402
 from transformers.integrations import moe as transformers_moe  # noqa: E402
