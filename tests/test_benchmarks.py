@@ -344,6 +344,20 @@ def test_ncu_layer(tmp_path):
     assert records and all(r["ms"] > 0 for r in records), out
 
 
+def test_peak_memory_names_what_is_alive():
+    """tools/peak_memory.py on a tiny shape (the torch stages: no interpreter): per precision the peak above the
+    inputs, at least the weight gradients the step returns, and the sites alive at it by serval line."""
+    hidden, inter, experts = 64, 32, 4
+    out = run_script(os.path.join(TOOLS, "peak_memory.py"), "--shape", f"{hidden},{inter},{experts},2,48",
+                     "--backend", "torch", "--precisions", "bf16,mxfp8", "--top", "3", "--device", "cpu")
+    peaks = re.findall(r"(bf16|mxfp8): peak ([0-9.]+) MiB above the inputs", out)
+    assert [p for p, _ in peaks] == ["bf16", "mxfp8"], out
+    weight_grads = 3 * experts * inter * hidden * 2 / 2**20
+    assert all(float(mib) >= weight_grads for _, mib in peaks), out
+    sites = re.findall(r"MiB +\d+ x  (\S+)", out)
+    assert len(sites) == 6 and all(re.match(r"[a-z_/]+\.py:\d+$", site) for site in sites), out
+
+
 @pytest.mark.skipif(not CUDA, reason="symmetric memory needs a CUDA GPU")
 def test_ep_ceilings_one_gpu(tmp_path, monkeypatch):
     """tools/ep_ceilings.py: two processes on one GPU, every transfer checked against the peers' data (the figures
