@@ -151,7 +151,10 @@ def plan_pass(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None
     """The `PassPlan` of a call with tokens x [N, H], routed weights w_gate [E, I, H] (for I), the shared
     expert's weights or None, and the workspace (None at EP=1 without one)."""
     ops = select_backend(config, x, w_gate, shared)
-    return _plan(ops, precision.recipe_of(config.precision), x.dtype, w_gate.shape[1], shared is not None,
+    recipe = precision.recipe_of(config.precision)
+    if recipe is not None and ops is not stages:  # the kernels' pass quantizes with the kernels, on the CPU too
+        recipe = dataclasses.replace(recipe, quantize_backend="triton")
+    return _plan(ops, recipe, x.dtype, w_gate.shape[1], shared is not None,
                  None if workspace is None or workspace.transport is None else workspace)
 
 

@@ -70,31 +70,35 @@ from .values import QuantizedTensor
 class Recipe:
     """One FP8 precision: E4M3 elements, `block` elements per scale along an activation's K (and along
     tokens), `weight_block` (rows, cols) per weight scale, the scale format, and whether the GEMMs run in
-    FP8 (`fp8_gemm`) or on the BF16 engines with exactly dequantized operands."""
+    FP8 (`fp8_gemm`) or on the BF16 engines with exactly dequantized operands. `quantize_backend`: the
+    quantizers' (`serval.ops.quantize`), "triton" where the pass runs on the kernels (the pass plan sets it, so
+    that the CPU's interpreter runs the quantizer kernels the GPU runs), "auto" elsewhere (the same bits)."""
 
     name: str
     scale_format: Literal["e8m0", "fp32"]
     block: int
     weight_block: tuple[int, int] | None  # None: 1 x block along each GEMM's K
     fp8_gemm: bool
+    quantize_backend: Literal["auto", "triton"] = "auto"
 
     def rows(self, t: torch.Tensor, *, keep: bool = False, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
         """t [R, C] quantized along C; with the exact dequantized values where the GEMMs run in BF16, unless
         the copy is only kept for backward (`keep`)."""
         return quantize(t, block=(1, self.block), scale_format=self.scale_format,
-                        dequantized=not (self.fp8_gemm or keep), **kwargs)
+                        dequantized=not (self.fp8_gemm or keep), backend=self.quantize_backend, **kwargs)
 
     def tokens(self, t: torch.Tensor, *, keep: bool = False, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
         """t [R, C] quantized along R (tokens); stored [C, R] (K-contiguous for an FP8 weight gradient) when
         the GEMMs run in FP8, else [R, C] with its dequantized values (unless only kept: `keep`)."""
         return quantize(t, block=(self.block, 1), scale_format=self.scale_format, transpose=self.fp8_gemm,
-                        dequantized=not (self.fp8_gemm or keep), **kwargs)
+                        dequantized=not (self.fp8_gemm or keep), backend=self.quantize_backend, **kwargs)
 
     def weight(self, w: torch.Tensor, k_dim: int):
         """Expert weights [E, A, B] as BF16 GEMMs whose K is dim `k_dim` (1 or 2) read them: dequantized bf16 in
         w's layout, blocks along K (the FP8 GEMMs' 128 x 128 blocks: `gemm_weights`)."""
         block = (1, self.block) if k_dim == 2 else (self.block, 1)
-        return quantize(w, block=block, scale_format=self.scale_format, dequantized=True)[1]
+        return quantize(w, block=block, scale_format=self.scale_format, dequantized=True,
+                        backend=self.quantize_backend)[1]
 
     @property
     def fused_passes(self) -> bool:
@@ -178,7 +182,7 @@ def _fp8_layouts(recipe: Recipe, w, layouts: tuple[bool, ...], outs: dict | None
     if not layouts:
         return {}
     outs = outs or {}
-    kwargs = dict(block=recipe.weight_block, scale_format=recipe.scale_format)
+    kwargs = dict(block=recipe.weight_block, scale_format=recipe.scale_format, backend=recipe.quantize_backend)
     if len(layouts) == 2:
         q, q_t = quantize_both_layouts(w, out=outs.get(False), out_t=outs.get(True), **kwargs)
         return {False: q, True: q_t}

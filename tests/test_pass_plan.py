@@ -77,6 +77,14 @@ def test_mxfp8_backward_fuses_only_whole_blocks():
     assert _plan(kernel_config("mxfp8", fused_backward=True), inter=64).backward.strategy == "fused"
 
 
+def test_the_kernels_pass_quantizes_with_the_kernels():
+    """An FP8 pass on the kernels quantizes with the quantizer kernels (on the CPU too, in the interpreter); on the
+    torch stages, as the tensors' device says."""
+    assert _plan(kernel_config("mxfp8")).recipe.quantize_backend == "triton"
+    assert _plan(kernel_config("fp8_blockwise")).recipe.quantize_backend == "triton"
+    assert _plan(serval.Config(backend="torch", precision="mxfp8")).recipe.quantize_backend == "auto"
+
+
 def test_comm_sms_leave_compute_sms():
     pass_plan._check_comm_sms(serval.Config(comm_sms_forward=131), 132)
     with pytest.raises(ValueError, match="comm_sms_backward must be below the GPU's 132 SMs"):

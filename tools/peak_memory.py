@@ -8,10 +8,10 @@ serval's custom ops run their Python bodies under it so that it sees inside).
 
 Per precision (--precisions; FP8 per call: the weight cache emptied before the step; --weights-once: the FP8
 weights made beforehand, as once per optimizer step): the peak above the inputs (MiB) and the allocation sites
-alive at it, largest first. The step's outputs (y and the gradients) count, as in training. On the CPU the same
-host code runs (the kernels in Triton's interpreter, which allocates no torch memory), except that the FP8
-quantizers run as torch ops there, with temporaries the GPU's kernels do not make; the GPU's caching allocator
-rounds blocks up, which this account does not.
+alive at it, largest first. The step's outputs (y and the gradients) count, as in training. On the CPU, with
+--backend triton, the same host code runs (the kernels and the FP8 quantizers in Triton's interpreter, which
+allocates no torch memory), except mxfp8's dequantizations, which run as torch ops there with temporaries the
+GPU's kernel does not make; the GPU's caching allocator rounds blocks up, which this account does not.
 """
 
 from __future__ import annotations
