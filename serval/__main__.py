@@ -91,9 +91,18 @@ def demo(args) -> int:
           f"shared expert, {args.tokens} tokens/step, {args.steps} steps), twice"
           + (", and once in bf16 to compare" if low_precision else ""))
     runs = []
-    for run in (1, 2):
-        print(f"run {run}:")
-        runs.append(train(args, device, dtype, args.precision))
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        # one thread: MKL may run a GEMM on fewer threads when the machine is busy (its dynamic threading), and
+        # splits the sums of a long K by the threads it runs, so two CPU runs could round differently (the small
+        # block runs as fast on one)
+        torch.set_num_threads(1)
+    try:
+        for run in (1, 2):
+            print(f"run {run}:")
+            runs.append(train(args, device, dtype, args.precision))
+    finally:
+        torch.set_num_threads(threads)
     (losses_a, weights_a), (losses_b, weights_b) = runs
     same_losses = same_loss_bits(losses_a, losses_b)
     same_weights = weights_a.keys() == weights_b.keys() and all(same_bits(weights_a[k], weights_b[k])
