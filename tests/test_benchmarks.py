@@ -346,7 +346,7 @@ def test_ncu_layer(tmp_path):
 
 def test_peak_memory_names_what_is_alive():
     """tools/peak_memory.py on a tiny shape (the torch stages: no interpreter): per precision the peak above the
-    inputs, at least the weight gradients the step returns, and the sites alive at it by serval line."""
+    inputs, at least the weight gradients the step returns, and the sites alive at it, each by a serval line."""
     hidden, inter, experts = 64, 32, 4
     out = run_script(os.path.join(TOOLS, "peak_memory.py"), "--shape", f"{hidden},{inter},{experts},2,48",
                      "--backend", "torch", "--precisions", "bf16,mxfp8", "--top", "3", "--device", "cpu")
