@@ -12,9 +12,10 @@ falls after one). Per precision (--precisions; FP8 per call: the weight cache em
 --weights-once: the FP8 weights made beforehand, as once per optimizer step): the peak above the inputs (MiB) and
 the allocation sites alive at it, largest first. The step's outputs (y and the gradients) count, as in training.
 The host code is the same on the CPU (with --backend triton: the kernels and the FP8 quantizers in Triton's
-interpreter, which makes no torch storage) and on a GPU, so a small shape's account on the CPU is the GPU's,
-except mxfp8's dequantizations, which run as torch ops on the CPU with temporaries the GPU's kernel does not make.
-Allocated bytes, as `torch.cuda.max_memory_allocated` counts them (not the caching allocator's rounding).
+interpreter, whose copies of a launch's bf16 arguments are left out) and on a GPU, so a small shape's account on
+the CPU is the GPU's, except mxfp8's dequantizations, which run as torch ops on the CPU with temporaries the
+GPU's kernel does not make. Allocated bytes, as `torch.cuda.max_memory_allocated` counts them (not the caching
+allocator's rounding).
 """
 
 from __future__ import annotations
@@ -56,12 +57,11 @@ class Storages(TorchDispatchMode):
             with self:
                 return custom_ops.OPDEFS[func._name]._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        site = None
+        site = self._site()
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+            if site is not None and isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
                 ref = StorageWeakRef(t.untyped_storage())
                 if ref.cdata not in self.live:
-                    site = site or self._site()
                     self.live[ref.cdata] = (ref, t.untyped_storage().nbytes(), site)
         self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
         total = sum(nbytes for _, nbytes, _ in self.live.values())
@@ -69,10 +69,14 @@ class Storages(TorchDispatchMode):
             self.peak, self.at_peak = total, [(nbytes, site) for _, nbytes, site in self.live.values()]
         return out
 
-    def _site(self) -> str:
+    def _site(self) -> str | None:
+        """The op's serval lines; None for an op of Triton's interpreter (its copies of a launch's bf16 arguments,
+        which the GPU does not make)."""
         lines, frame = [], sys._getframe(2)
         while frame is not None and len(lines) < self.depth:
             path = frame.f_code.co_filename
+            if not lines and f"triton{os.sep}runtime{os.sep}interpreter" in path:
+                return None
             if f"{os.sep}serval{os.sep}" in path:
                 lines.append(f"{path.split(f'serval{os.sep}', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
             frame = frame.f_back
