@@ -58,10 +58,13 @@ class Storages(TorchDispatchMode):
                 return custom_ops.OPDEFS[func._name]._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         site = self._site()
+        # an output on an input's storage (a view, an in-place op) is not new: it may be a storage from before
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if site is not None and isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
                 ref = StorageWeakRef(t.untyped_storage())
-                if ref.cdata not in self.live:
+                if ref.cdata not in self.live and ref.cdata not in inputs:
                     self.live[ref.cdata] = (ref, t.untyped_storage().nbytes(), site)
         self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
         total = sum(nbytes for _, nbytes, _ in self.live.values())
