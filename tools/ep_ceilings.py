@@ -55,9 +55,9 @@ COMM_BLOCK_M = 128  # rows per step of a communication program (the gate/up GEMM
 
 @triton.jit
 def _comm_programs_kernel(pull, a, row_source_ptr, num_m_tiles, K, BLOCK_M: tl.constexpr, P: tl.constexpr):
-    """The communication programs alone: epoch 1, top_k 1 (a row's source is its owner's token row), no proxy
-    fence (nothing reads the rows with TMA here)."""
-    in_gemm_pull.pull_tiles(pull, a, row_source_ptr, 1, num_m_tiles, K, BLOCK_M, P)
+    """The communication programs alone, as the GEMMs run them (the epoch read from pull.epoch): top_k 1 (a row's
+    source is its owner's token row), no proxy fence (nothing reads the rows with TMA here)."""
+    in_gemm_pull.pull_tiles(pull, a, row_source_ptr, tl.load(pull.epoch), num_m_tiles, K, BLOCK_M, P)
 
 
 MODES = ["all", "one"]
@@ -132,9 +132,10 @@ def transfers(rows, hidden, rank, world_size, device, group, comm_programs, comm
     comm_out = torch.empty(num_m_tiles * COMM_BLOCK_M, hidden, dtype=torch.bfloat16, device=device)
     comm_flags = torch.zeros(num_m_tiles, dtype=torch.int32, device=device)
 
-    # the pull's bundles as the GEMMs pass them (`in_gemm_pull.kernel_arguments`): no epoch bump, no round trip
-    comm_tables = in_gemm_pull.PullTables(buffer.table, rows, 1, comm_flags, torch.ones(1, dtype=torch.int32,
-                                                                                          device=device), None)
+    # the pull's bundles as the GEMMs pass them (`in_gemm_pull.kernel_arguments`): epoch 1, never bumped (every
+    # call publishes its flags with 1 again), no round trip
+    comm_epoch = torch.ones(1, dtype=torch.int32, device=device)
+    comm_tables = in_gemm_pull.PullTables(buffer.table, rows, 1, comm_flags, comm_epoch, None)
     comm_a = gemm_tile.Rows(comm_out, comm_out.stride(0), comm_out.shape[0])
 
     def comm(programs):
