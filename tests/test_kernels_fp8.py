@@ -416,3 +416,101 @@ def test_swiglu_row_passes_need_whole_blocks():
     schedule, gate_up_rows, *_ = _row_pass_case(8, 2, 1, "random", 128, 128, "fp32", None, DEVICE)
     with pytest.raises(ValueError, match="multiple of the scale block 128"):
         swiglu_rows.swiglu_fp8(gate_up_rows[:, :192], schedule, None, 128, "fp32")
+
+
+# ---------------------------------------------------------------- the forward's gate/up + SwiGLU stage
+
+SWIGLU_CASES = {  # make_case's arguments (k = H, n = 2I), swiglu_limit, keeps_tokens
+    "random": (dict(tokens=48, experts=4, top_k=2, kind="random", k=256, n=512), None, True),
+    "empty experts, limit": (dict(tokens=30, experts=6, top_k=2, kind="empty", k=160, n=256), 0.5, True),
+    "one expert, k=1": (dict(tokens=70, experts=4, top_k=1, kind="one", k=128, n=256), None, True),
+    "one token, not kept": (dict(tokens=1, experts=4, top_k=2, kind="random", k=128, n=256), 7.0, False),
+}
+GPU_SWIGLU_CASES = {
+    "kimi-like": (dict(tokens=2048, experts=8, top_k=2, kind="random", k=7168, n=4096), None, True),
+    "skewed, limit": (dict(tokens=1500, experts=16, top_k=4, kind="skewed", k=2048, n=1536), 0.5, True),
+    "empty experts": (dict(tokens=333, experts=6, top_k=2, kind="empty", k=320, n=512), None, True),
+    "one expert, k=1": (dict(tokens=300, experts=4, top_k=1, kind="one", k=256, n=768), 7.0, True),
+    "one token": (dict(tokens=1, experts=4, top_k=2, kind="random", k=128, n=256), None, True),
+    "not kept": (dict(tokens=700, experts=8, top_k=2, kind="random", k=1024, n=1024), None, False),
+}
+
+
+def _swiglu_case(case, seed=0):
+    from serval.values import QuantizedTensor
+
+    schedule, a_data, a_scale, b_data, b_scale = make_case(**case, seed=seed)  # b: [E, 2I, H], gate over up
+    return (schedule, QuantizedTensor(a_data, a_scale, (1, 128), False),
+            QuantizedTensor(b_data, b_scale, (128, 128), False))
+
+
+def _staged_gate_up_swiglu(x_rows, gate_up, schedule, limit, keeps_tokens, engine):
+    """The stage as its parts: the FP8 GEMM on `engine`, the SwiGLU row pass, the along-tokens quantizer."""
+    from serval.kernels import swiglu_rows
+    from serval.ops import quantize
+
+    gate_up_rows = fp8_gemm.grouped_gemm(x_rows.data, x_rows.scale, gate_up.data, gate_up.scale, schedule,
+                                         engine=engine)
+    h, h_rows, kept = swiglu_rows.swiglu_fp8(gate_up_rows, schedule, limit, 128, "fp32")
+    used = int(schedule.expert_offsets[-1])
+    h[used:] = 0  # rows past the used tiles: never computed (the fused kernel leaves them unwritten)
+    tokens = quantize(h, block=(128, 1), scale_format="fp32", transpose=True, backend="triton")[0] \
+        if keeps_tokens else None
+    return h_rows, kept, tokens
+
+
+def _assert_stage_equal(got, want, schedule, what):
+    used = int(schedule.expert_offsets[-1])
+    _assert_quantized_equal(got[0], want[0], slice(0, used), f"{what}: h along I")
+    _assert_quantized_equal(got[1], want[1], slice(None), f"{what}: kept gate_up")
+    if want[2] is None:
+        assert got[2] is None, what
+        return
+    assert got[2].block == want[2].block and got[2].transposed, what
+    assert torch.equal(got[2].data[:, :used].view(torch.uint8), want[2].data[:, :used].view(torch.uint8)), \
+        f"{what}: h along tokens, data"
+    assert torch.equal(got[2].scale[:, :used // 128], want[2].scale[:, :used // 128]), f"{what}: h along tokens, scale"
+
+
+@pytest.mark.parametrize("case", SWIGLU_CASES)
+def test_gate_up_swiglu_is_its_parts(case):
+    """fp8_gemm.gate_up_swiglu on the Triton engine: the GEMM, the SwiGLU row pass and the along-tokens quantizer
+    (h along I, the kept pre-activations in packed rows, h along tokens [I, R]); the torch stage within one bf16
+    rounding of gate_up (its GEMM sums in another order)."""
+    from serval import stages
+
+    args, limit, keeps = SWIGLU_CASES[case]
+    schedule, x_rows, gate_up = _swiglu_case(args)
+    got = fp8_gemm.gate_up_swiglu(x_rows, gate_up, schedule, limit, keeps, engine="triton")
+    _assert_stage_equal(got, _staged_gate_up_swiglu(x_rows, gate_up, schedule, limit, keeps, "triton"), schedule,
+                        case)
+    want = stages.fp8_gate_up_swiglu(x_rows, gate_up, schedule, limit, keeps)
+    used = int(schedule.expert_offsets[-1])
+    from serval.ops import dequantize
+    torch.testing.assert_close(dequantize(got[0])[:used], dequantize(want[0])[:used], rtol=0.07, atol=1e-3)
+    assert (got[2] is None) == (want[2] is None)
+
+
+def test_gate_up_swiglu_checks_its_operands():
+    schedule, x_rows, gate_up = _swiglu_case(SWIGLU_CASES["random"][0])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_gemm.gate_up_swiglu(x_rows, gate_up._replace(data=gate_up.data[:, :192].contiguous(),
+                                                         scale=gate_up.scale[:, :2].contiguous()), schedule, None,
+                                True)
+    with pytest.raises(ValueError, match="x_rows_data has"):
+        fp8_gemm.gate_up_swiglu(x_rows._replace(data=x_rows.data[:-128], scale=x_rows.scale[:-128]), gate_up,
+                                schedule, None, True)
+
+
+@requires_gluon
+@pytest.mark.parametrize("case", GPU_SWIGLU_CASES)
+def test_gluon_gate_up_swiglu_is_the_staged_bits(case):
+    """The one-launch gate/up + SwiGLU + quantizations (Gluon) gives bit for bit the staged path on the same GEMM
+    engine: h along I, the kept pre-activations, h along tokens (its 128-row column blocks split between the two
+    consumer warp groups); twice the same bits; outputs poisoned before (conftest's SERVAL_POISON_OUTPUTS)."""
+    args, limit, keeps = GPU_SWIGLU_CASES[case]
+    schedule, x_rows, gate_up = _swiglu_case(args)
+    want = _staged_gate_up_swiglu(x_rows, gate_up, schedule, limit, keeps, "gluon")
+    runs = [fp8_gemm.gate_up_swiglu(x_rows, gate_up, schedule, limit, keeps, engine="gluon") for _ in range(2)]
+    for got in runs:
+        _assert_stage_equal(got, want, schedule, case)
