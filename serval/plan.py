@@ -327,12 +327,6 @@ def fp8_gluon_config(n: int, weight_grad: bool = False) -> Fp8GluonConfig:
     return Fp8GluonConfig(block_n=128, stages=4 if weight_grad else 6)
 
 
-def fp8_swiglu_config() -> Fp8GluonConfig:
-    """The FP8 gate/up GEMM with SwiGLU in its epilogue (`gluon_fp8.gate_up_swiglu`): 128-wide h tiles (gate's 128
-    columns and up's: one 1 x 128 block each, the quantization block), 4 stages of 48 KB."""
-    return Fp8GluonConfig(block_n=128, stages=4)
-
-
 def quantize_tiles(block: tuple[int, int]) -> tuple[int, int, int]:
     """(TILE_R, TILE_C, num_warps) of the FP8 quantizer (`serval.kernels.quantize`) for a block shape: the fastest
     of a sweep on the H200 over the FP8 layer's own calls; 2K-16K elements a program, rows of >= 64 bytes on both

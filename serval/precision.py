@@ -27,11 +27,9 @@ multiple of the block, so no block spans two experts; padding rows are zero. The
 rows unscaled and applies the router weight r in its epilogue, as BF16 does, so that d_router_weights is
 <d_y W_down, h> with no division by r; the w_down gradient takes r * d_y, as MoK's does.
 
-fp8_blockwise's forward runs from the gate/up GEMM to the down GEMM's operand as one stage
-(`ops.fp8_gate_up_swiglu`): on Hopper one launch whose epilogue computes SwiGLU and writes h along I, the kept
-pre-activations and h along tokens, quantized, no bf16 gate_up or h in memory; elsewhere the GEMM, a SwiGLU row
-pass writing its outputs quantized along the row, and the along-tokens quantizer. Backward's SwiGLU row pass
-(`ops.swiglu_backward_fp8`) writes d_gate_up along 2I too; its along-tokens copy is a separate pass. A weight wanted in both layouts (the weight
+The fp8_blockwise SwiGLU row passes (`ops.swiglu_fp8`, `ops.swiglu_backward_fp8`) write their outputs
+quantized along the row too (h and the kept pre-activations forward, d_gate_up backward), so no quantization
+pass reads them again; the along-tokens copies stay separate passes. A weight wanted in both layouts (the weight
 cache, `serval.quantize_expert_weights`) is read once for both (`serval.ops.quantize_both_layouts`: a 128 x 128
 block has one scale either way).
 
@@ -362,8 +360,10 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
     made = gemm_weights(recipe, w_gate, w_up, w_down, made, ("gate_up",) if w_down is None else ("gate_up", "down"))
     if recipe.fp8_gemm:
         x_q = recipe.rows(x_rows)[0] if x_rows is not None else _gathered(ops, recipe.rows(x)[0], schedule)
-        # h along I (the down GEMM's A), the pre-activations kept in packed rows, h along tokens (kept)
-        h_q, gate_up, h_tokens = ops.fp8_gate_up_swiglu(x_q, made.gate_up, schedule, swiglu_limit, keeps)
+        gate_up_rows = ops.fp8_grouped_gemm(x_q, made.gate_up, schedule)
+        # one row pass: h, h quantized along I, and the pre-activations kept in packed rows, as BF16 keeps them
+        h, h_q, gate_up = ops.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, recipe.block, recipe.scale_format)
+        del gate_up_rows
     elif pull is not None:
         gate_up, h = ops.gate_up_swiglu(x, *made.gate_up, schedule, swiglu_limit, quant_block=recipe.block, **pull)
     else:  # at EP=1 the gate/up stage gathers the dequantized tokens' rows itself
@@ -372,7 +372,7 @@ def forward(ops, recipe: Recipe, x, x_rows, w_gate, w_up, w_down, schedule: Sche
                                         a_rows=None if x_rows is None else x_deq)
     kept = None
     if keeps:
-        kept = Kept(gate_up, h_tokens) if recipe.fp8_gemm else keep(recipe, gate_up, h)
+        kept = Kept(gate_up, recipe.tokens(h, keep=True)[0]) if recipe.fp8_gemm else keep(recipe, gate_up, h)
     if w_down is None:
         return None, kept
     if recipe.fp8_gemm:

@@ -259,20 +259,6 @@ def swiglu_fp8(gate_up_rows, schedule: Schedule, swiglu_limit: float | None, blo
     return h, _rows_quantized(h, block, scale_format), kept
 
 
-def fp8_gate_up_swiglu(x_rows: QuantizedTensor, gate_up: QuantizedTensor, schedule: Schedule,
-                       swiglu_limit: float | None, keeps_tokens: bool):
-    """The block-scaled FP8 forward from the gate/up GEMM to the down GEMM's operand: x_rows [R, H] along H,
-    gate_up [E, 2I, H] (w_gate over w_up). Returns (h quantized along I [R, I], the gate/up pre-activations
-    quantized along 2I in packed rows [num_packed, 2I], h quantized along tokens stored [I, R], or None unless
-    keeps_tokens), in x_rows' blocks and scale format."""
-    block = x_rows.block[1]
-    scale_format = "fp32" if x_rows.scale.dtype == torch.float32 else "e8m0"
-    h, h_rows, kept = swiglu_fp8(fp8_grouped_gemm(x_rows, gate_up, schedule), schedule, swiglu_limit, block,
-                                 scale_format)
-    h_tokens = quantize(h, block=(block, 1), scale_format=scale_format, transpose=True)[0] if keeps_tokens else None
-    return h_rows, kept, h_tokens
-
-
 def swiglu_backward_fp8(d_h_raw, gate_up: QuantizedTensor, schedule: Schedule, row_router_weights,
                         swiglu_limit: float | None):
     """The SwiGLU backward of the block-scaled FP8 path: d_h_raw [R, I] (the down dgrad, bf16) and the kept

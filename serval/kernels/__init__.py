@@ -76,6 +76,7 @@ class KernelStages:
     sum_slots = staticmethod(sum_slots)
     gate_up_weight_grad = staticmethod(gate_up_weight_grad)
     down_weight_grad = staticmethod(down_weight_grad)
+    swiglu_fp8 = staticmethod(swiglu_rows.swiglu_fp8)
     swiglu_backward_fp8 = staticmethod(swiglu_rows.swiglu_backward_fp8)
 
     def gate_up_swiglu(self, *args, **kwargs):
@@ -100,12 +101,6 @@ class KernelStages:
     def fp8_grouped_gemm(a, b, schedule):
         """`serval.stages.fp8_grouped_gemm` on the block-scaled FP8 kernels."""
         return fp8_gemm.grouped_gemm(a.data, a.scale, b.data, b.scale, schedule)
-
-    @staticmethod
-    def fp8_gate_up_swiglu(x_rows, gate_up, schedule, swiglu_limit, keeps_tokens):
-        """`serval.stages.fp8_gate_up_swiglu` on the block-scaled FP8 kernels (one launch on Hopper's Gluon
-        engine: `fp8_gemm.gate_up_swiglu`)."""
-        return fp8_gemm.gate_up_swiglu(x_rows, gate_up, schedule, swiglu_limit, keeps_tokens)
 
     @staticmethod
     def fp8_weight_grad(a, b, schedule, out=None, window=None):

@@ -48,8 +48,8 @@ import triton.language as tl
 from .. import schedule as _schedule
 from ..plan import GLUON_VERSIONS, fp8_triton_tiles
 from ..schedule import Schedule
-from . import common, gluon_common, quantize, swiglu_rows
-from ..values import QuantizedTensor, WgradWindow
+from . import common, gluon_common
+from ..values import WgradWindow
 from .weight_grad import check_outs, check_window
 
 SCALE_BLOCK = 128  # elements per scale along K (and along N for the weights)
@@ -198,24 +198,6 @@ def _check_k(name: str, k: int):
                          f"addresses them); pad it with zeros")
 
 
-def _check_rows_operands(a_data, a_scale, b_data, b_scale, schedule: Schedule, a_name: str, b_name: str):
-    """ValueError unless a [R, K] and b [E, N, K] (with their scales) are a grouped GEMM's operands over the
-    schedule's rows (`grouped_gemm`)."""
-    _check_fp8(f"{a_name}_data", a_data, 2)
-    _check_fp8(f"{b_name}_data", b_data, 3)
-    num_rows, k = a_data.shape
-    num_experts, n, kb_ = b_data.shape
-    if num_rows != schedule.capacity:
-        raise ValueError(f"{a_name}_data has {num_rows} rows, the schedule's capacity is {schedule.capacity}")
-    if num_experts != schedule.num_experts:
-        raise ValueError(f"{b_name}_data has {num_experts} experts, the schedule {schedule.num_experts}")
-    if kb_ != k:
-        raise ValueError(f"{b_name}_data: K={kb_} does not match {a_name}_data's K={k}")
-    _check_k(f"{a_name}_data", k)
-    _check_scale(f"{a_name}_scale", a_scale, (num_rows, _cdiv(k, SCALE_BLOCK)), "K per row")
-    _check_scale(f"{b_name}_scale", b_scale, (num_experts, _cdiv(n, SCALE_BLOCK), _cdiv(k, SCALE_BLOCK)), "N x K")
-
-
 def _check_devices(schedule: Schedule, **tensors):
     device = schedule.expert_offsets.device
     for name, t in tensors.items():
@@ -278,9 +260,19 @@ def grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tens
     unwritten. `out`: an optional bf16 [R, N] contiguous buffer to write into. `engine`: "auto" (Gluon where it
     runs and takes the operands, else Triton), "triton" or "gluon"; `config`: a `serval.plan.Fp8GluonConfig` for
     the Gluon engine (default: `serval.plan.fp8_gluon_config`)."""
-    _check_rows_operands(a_data, a_scale, b_data, b_scale, schedule, "a", "b")
+    _check_fp8("a_data", a_data, 2)
+    _check_fp8("b_data", b_data, 3)
     num_rows, k = a_data.shape
-    num_experts, n, _ = b_data.shape
+    num_experts, n, kb_ = b_data.shape
+    if num_rows != schedule.capacity:
+        raise ValueError(f"a_data has {num_rows} rows, the schedule's capacity is {schedule.capacity}")
+    if num_experts != schedule.num_experts:
+        raise ValueError(f"b_data has {num_experts} experts, the schedule {schedule.num_experts}")
+    if kb_ != k:
+        raise ValueError(f"b_data: K={kb_} does not match a_data's K={k}")
+    _check_k("a_data", k)
+    _check_scale("a_scale", a_scale, (num_rows, _cdiv(k, SCALE_BLOCK)), "K per row")
+    _check_scale("b_scale", b_scale, (num_experts, _cdiv(n, SCALE_BLOCK), _cdiv(k, SCALE_BLOCK)), "N x K")
     if out is None:
         out = common.empty((num_rows, n), torch.bfloat16, a_data.device)
     elif (out.dtype != torch.bfloat16 or tuple(out.shape) != (num_rows, n) or not out.is_contiguous()):
@@ -374,37 +366,3 @@ def weight_grad(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tenso
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
-
-
-def gate_up_swiglu(x_rows: QuantizedTensor, gate_up: QuantizedTensor, schedule: Schedule, swiglu_limit: float | None,
-                   keeps_tokens: bool, *, engine: str = "auto"):
-    """The fp8_blockwise forward from the gate/up GEMM to the down GEMM's operand: x_rows [R, H] quantized along H
-    (1 x 128), gate_up the joined weights [E, 2I, H] (128 x 128, w_gate over w_up, I % 128 == 0). Returns (h
-    quantized along I [R, I], the gate/up pre-activations quantized along 2I in packed rows [num_packed, 2I], h
-    quantized along tokens stored [I, R] or None unless keeps_tokens), as `serval.stages.fp8_gate_up_swiglu`.
-
-    engine "gluon" (what "auto" picks where the Gluon engine runs and takes the operands): one launch, SwiGLU and
-    the three quantizations in the GEMM's epilogue (`gluon_fp8.gate_up_swiglu`), no bf16 gate_up or h in memory;
-    "triton": the GEMM (bf16 gate_up rows), the SwiGLU row pass (`swiglu_rows.swiglu_fp8`) and the along-tokens
-    quantizer. The same bits on the used rows; rows past the used tiles are left unwritten (h's, and h along
-    tokens' columns)."""
-    _check_rows_operands(x_rows.data, x_rows.scale, gate_up.data, gate_up.scale, schedule, "x_rows", "gate_up")
-    _check_devices(schedule, x_rows_data=x_rows.data, x_rows_scale=x_rows.scale, gate_up_data=gate_up.data,
-                   gate_up_scale=gate_up.scale)
-    two_inter = gate_up.data.shape[1]
-    if two_inter % (2 * SCALE_BLOCK):
-        raise ValueError(f"gate_up: 2I = {two_inter} rows per expert, expected I a multiple of {SCALE_BLOCK} (a "
-                         f"weight scale block must not straddle w_gate and w_up)")
-    if schedule.block_m % SCALE_BLOCK:
-        raise ValueError(f"schedule.block_m={schedule.block_m}: h along tokens needs a multiple of {SCALE_BLOCK}")
-    if _engine(engine, schedule, x_rows.data, gate_up.data) == "gluon":
-        from . import gluon_fp8
-        return gluon_fp8.gate_up_swiglu(x_rows, gate_up, schedule, swiglu_limit, keeps_tokens)
-    gate_up_rows = grouped_gemm(x_rows.data, x_rows.scale, gate_up.data, gate_up.scale, schedule, engine=engine)
-    h, h_rows, kept = swiglu_rows.swiglu_fp8(gate_up_rows, schedule, swiglu_limit, SCALE_BLOCK, "fp32")
-    del gate_up_rows
-    h_tokens = None
-    if keeps_tokens:
-        data, scale, _ = quantize.quantize(h[None], (SCALE_BLOCK, 1), True, True, None, False)
-        h_tokens = QuantizedTensor(data[0], scale[0], (SCALE_BLOCK, 1), True)
-    return h_rows, kept, h_tokens

@@ -40,25 +40,19 @@ import functools
 
 import triton
 
-from typing import NamedTuple
-
-import torch
-
 from .. import schedule as _schedule
-from ..plan import Fp8GluonConfig, fp8_gluon_config, fp8_swiglu_config
-from ..schedule import Schedule, packed_index
-from ..values import QuantizedTensor
-from . import common, gluon_common, quantize, swiglu
+from ..plan import Fp8GluonConfig, fp8_gluon_config
+from ..schedule import Schedule
+from . import common, gluon_common
 
 BLOCK_M = 128
 BLOCK_K = 128  # one scale block per K step
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
 
 
-def _check_config(config: Fp8GluonConfig, swiglu: bool = False) -> None:
+def _check_config(config: Fp8GluonConfig) -> None:
     """ValueError unless the config's ring of stages fits sm_90's shared memory beside the epilogue's layout
-    conversions (each stage: fp8 operands and, for weight_grad, fp32 scales; `gate_up_swiglu`'s: two weight
-    tiles)."""
+    conversions (each stage: fp8 operands and, for weight_grad, fp32 scales)."""
     stage_bytes = (BLOCK_M + config.block_n) * (BLOCK_K + 4)
     if config.stages * stage_bytes > SM90_SHARED - 10240:
         raise ValueError(f"Fp8GluonConfig.stages={config.stages}: {stage_bytes} B a stage does not fit sm_90's "
@@ -111,9 +105,7 @@ if gluon_common.GLUON:
     def _loader(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, tile_expert_ptr,
                 expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, N, K, first_expert,
                 stride_as_k, stride_bs_k, SEGMENT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                NUM_PROGRAMS: gl.constexpr, HALVES: gl.constexpr = 1):
-        """HALVES 2 (`_fp8_swiglu_kernel`, "rows"): the weights are w_gate over w_up, [E * N, K] with N = 2I, and
-        a tile's K loop runs twice, against its gate rows, then against its up rows (I further on)."""
+                NUM_PROGRAMS: gl.constexpr):
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -128,24 +120,23 @@ if gluon_common.GLUON:
                                                            sched_block_m, num_m_tiles, num_n_tiles, K, first_expert,
                                                            SEGMENT, GROUP_M, BLOCK_M)
             m0 = m_tile * BLOCK_M
-            for half in gl.static_range(HALVES):
-                if SEGMENT == "rows":
-                    b_row = expert * N + half * (N // 2) + n_tile * BLOCK_N  # the [E * N, K] view
-                else:
-                    b_row = n_tile * BLOCK_N
-                for k in range(k_begin, k_end, BLOCK_K):
-                    slot = count % STAGES
-                    mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(slot), stage_bytes)
-                    tma.async_copy_global_to_shared(a_desc, [m0, k], ready.index(slot), a_bufs.index(slot))
-                    tma.async_copy_global_to_shared(b_desc, [b_row, k], ready.index(slot), b_bufs.index(slot))
-                    if SEGMENT == "k":
-                        kb = k // BLOCK_K
-                        tma.async_copy_global_to_shared(sa_desc, [kb * stride_as_k + m0], ready.index(slot),
-                                                        sa_bufs.index(slot))
-                        tma.async_copy_global_to_shared(sb_desc, [kb * stride_bs_k + b_row], ready.index(slot),
-                                                        sb_bufs.index(slot))
-                    count += 1
+            if SEGMENT == "rows":
+                b_row = expert * N + n_tile * BLOCK_N  # the [E * N, K] view
+            else:
+                b_row = n_tile * BLOCK_N
+            for k in range(k_begin, k_end, BLOCK_K):
+                slot = count % STAGES
+                mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), stage_bytes)
+                tma.async_copy_global_to_shared(a_desc, [m0, k], ready.index(slot), a_bufs.index(slot))
+                tma.async_copy_global_to_shared(b_desc, [b_row, k], ready.index(slot), b_bufs.index(slot))
+                if SEGMENT == "k":
+                    kb = k // BLOCK_K
+                    tma.async_copy_global_to_shared(sa_desc, [kb * stride_as_k + m0], ready.index(slot),
+                                                    sa_bufs.index(slot))
+                    tma.async_copy_global_to_shared(sb_desc, [kb * stride_bs_k + b_row], ready.index(slot),
+                                                    sb_bufs.index(slot))
+                count += 1
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, a_scale_ptr, b_scale_ptr, out_ptr, phase_ptr,
@@ -282,204 +273,6 @@ if gluon_common.GLUON:
                        K, first_expert, stride_as_k, stride_bs_k, SEGMENT, GROUP_M, STAGES, NUM_PROGRAMS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
-    @gluon.jit
-    def _row_amax(values):
-        """values [rows, C] bf16 -> the amax bits [rows, 1] of each row."""
-        return quantize.block_amax_bits(common.bf16_to_f32(values), 1, values.shape[1])
-
-    @gluon.jit
-    def _rounded_row_amax(acc):
-        """acc [rows, 128] fp32 -> the amax bits [rows, 1] of each row of acc rounded to bf16 (one 1 x 128 block a
-        row): the rounded amax of acc (round to nearest is monotonic and odd; NaN stays NaN, Inf Inf)."""
-        amax = quantize.block_amax_bits(acc, 1, acc.shape[1]).to(gl.float32, bitcast=True)
-        return common.bf16_to_f32(amax.to(gl.bfloat16)).to(gl.int32, bitcast=True)
-
-    @gluon.jit
-    def _store_row_blocks(values, amax, data_ptr, scale_ptr, rows, row_ok, cols, block, row_len, num_blocks,
-                          STORE_SCALE: gl.constexpr, store_layout: gl.constexpr):
-        """A column chunk values [rows, EPI_N] (bf16) of 1 x 128 blocks whose amax bits are amax [rows, 1]
-        quantized (`quantize.quantize_by_amax`), the bytes stored at data[rows, cols] ([*, row_len]) and, with
-        STORE_SCALE (one chunk of the block), the scales at scale[rows, block]."""
-        _, byte, scale, _ = quantize.quantize_by_amax(
-            common.bf16_to_f32(values), gl.convert_layout(amax, values.type.layout, assert_trivial=True), True, False)
-        row_layout: gl.constexpr = gl.SliceLayout(1, values.type.layout)
-        rows64 = gl.convert_layout(rows, row_layout, assert_trivial=True).to(gl.int64)
-        row_ok = gl.convert_layout(row_ok, row_layout, assert_trivial=True)
-        if STORE_SCALE:
-            gl.store(scale_ptr + rows64[:, None] * num_blocks + block, scale, mask=row_ok[:, None])
-        store_rows = gl.convert_layout(rows64, gl.SliceLayout(1, store_layout))
-        store_ok = gl.convert_layout(row_ok, gl.SliceLayout(1, store_layout))
-        store_cols = gl.convert_layout(cols, gl.SliceLayout(0, store_layout))
-        gl.store(data_ptr + store_rows[:, None] * row_len + store_cols[None, :],
-                 gl.convert_layout(byte, store_layout), mask=store_ok[:, None])
-
-    @gluon.jit
-    def _promoted_k_loop(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptr, stride_as_k, stride_bs_k, K, count,
-                         CONSUMER: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr):
-        """One "rows" tile's K loop from ring position `count`, as `_consumer` runs it (per-row a scales, one b
-        scale a step): (the fp32 sums [64, BLOCK_N] of this consumer's rows, the ring position after it)."""
-        BLOCK_K: gl.constexpr = a_bufs.shape[2]
-        HALF_M: gl.constexpr = a_bufs.shape[1] // 2
-        BLOCK_N: gl.constexpr = b_bufs.shape[1]
-        acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        for k in range(0, K, BLOCK_K):
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a = a_bufs.index(slot).slice(CONSUMER * HALF_M, HALF_M)
-            part = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), part, use_acc=False, is_async=True)
-            kb = k // BLOCK_K
-            sa = gl.load(sa_ptrs + kb * stride_as_k)
-            sb = gl.load(sb_ptr + kb * stride_bs_k)
-            part = warpgroup_mma_wait(0, deps=(part,))
-            mbarrier.arrive(empty.index(slot))
-            acc = gl.fma(part, (sa * sb)[:, None], acc)
-            count += 1
-        return acc, count
-
-    @gluon.jit
-    def _swiglu_consumer(a_bufs, b_bufs, ready, empty, exchange, exchanged, h_stage, a_scale_ptr, b_scale_ptr, outs,
-                         packed_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles,
-                         num_n_tiles, inter, K, num_rows, swiglu_limit, stride_as_m, stride_as_k, stride_bs_e,
-                         stride_bs_n, stride_bs_k, CONSUMER: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                         KEEPS_TOKENS: gl.constexpr, EPI_SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
-        """Gate/up + SwiGLU + the quantizations, rows r0 .. r0 + 63 of each tile (see `_fp8_swiglu_kernel`)."""
-        BLOCK_M: gl.constexpr = a_bufs.shape[1]
-        BLOCK_K: gl.constexpr = a_bufs.shape[2]
-        BLOCK_N: gl.constexpr = b_bufs.shape[1]  # h columns a tile (gate's and up's K loops)
-        HALF_M: gl.constexpr = BLOCK_M // 2
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 32])
-        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-        EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
-        chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                               instr_shape=[16, EPI_N, 32])
-        VEC: gl.constexpr = 16  # E4M3 bytes a 16-byte store
-        # row-blocked outputs: a thread's 16 consecutive columns; along tokens ([I, R]): its 16 consecutive rows
-        rows_store: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // EPI_N, EPI_N // VEC], [4, 1], [1, 0])
-        tokens_store: gl.constexpr = gl.BlockedLayout([VEC, 1], [HALF_M // VEC, 32 * VEC // HALF_M], [1, 4], [0, 1])
-        up_scales = (inter // BLOCK_N) * stride_bs_n  # w_up's scale rows follow w_gate's
-        count = 0
-        tiles_done = 0
-        for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-            expert, m_tile, n_tile, _, _ = _tile(tile_id, tile_expert_ptr, expert_offsets_ptr, sched_block_m,
-                                                 num_m_tiles, num_n_tiles, K, 0, "rows", GROUP_M, BLOCK_M)
-            r0 = m_tile * BLOCK_M + CONSUMER * HALF_M
-            n0 = n_tile * BLOCK_N
-            rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
-            sa_ptrs = a_scale_ptr + rows.to(gl.int64) * stride_as_m
-            sb_ptr = b_scale_ptr + expert.to(gl.int64) * stride_bs_e + n_tile * stride_bs_n
-            # gate's K loop, then up's (one partial's registers beside the two fp32 sums)
-            gate_acc, count = _promoted_k_loop(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptr, stride_as_k,
-                                               stride_bs_k, K, count, CONSUMER, STAGES, acc_layout)
-            up_acc, count = _promoted_k_loop(a_bufs, b_bufs, ready, empty, sa_ptrs, sb_ptr + up_scales, stride_as_k,
-                                             stride_bs_k, K, count, CONSUMER, STAGES, acc_layout)
-
-            # the epilogue in EPI_SPLIT column chunks (gate, up and h of a whole tile with their quantizations do
-            # not fit the registers). Pass 1 quantizes gate and up (a row's amax from the fp32 sums: rounding to
-            # bf16 is monotonic, so the amax of the rounded values is the rounded amax), computes h and its rows'
-            # amax, and parks h in shared memory; from there h's columns' amax, then h along I and along tokens.
-            gate_amax = _rounded_row_amax(gate_acc)
-            up_amax = _rounded_row_amax(up_acc)
-            packed = gl.load(packed_ptr + rows)
-            kept = packed >= 0  # padding rows are not kept
-            packed = gl.where(kept, packed, 0)
-            gate_chunks = column_chunks(gate_acc, EPI_SPLIT)
-            up_chunks = column_chunks(up_acc, EPI_SPLIT)
-            entry = tiles_done % (STAGES + 1)
-            h_amax = gl.zeros((HALF_M, 1), dtype=gl.int32, layout=chunk_layout)
-            for c in gl.static_range(EPI_SPLIT):
-                gate = gl.convert_layout(gate_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
-                up = gl.convert_layout(up_chunks[c], chunk_layout, assert_trivial=True).to(gl.bfloat16)
-                cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, chunk_layout))
-                _store_row_blocks(gate, gate_amax, outs.kept_data, outs.kept_scale, packed, kept, cols, n_tile,
-                                  2 * inter, 2 * inter // BLOCK_N, c == 0, rows_store)
-                _store_row_blocks(up, up_amax, outs.kept_data, outs.kept_scale, packed, kept, inter + cols,
-                                  inter // BLOCK_N + n_tile, 2 * inter, 2 * inter // BLOCK_N, c == 0, rows_store)
-                h = swiglu.forward(gate, up, swiglu_limit, HAS_LIMIT).to(gl.bfloat16)
-                h_amax = gl.maximum(h_amax, _row_amax(h))
-                h_stage.index(c).store(h)
-            if KEEPS_TOKENS:
-                # along tokens a block is the tile's 128 rows of a column, half in each consumer: each puts its
-                # columns' amax in shared memory and takes the other's (a ring of STAGES + 1 entries a consumer:
-                # one runs at most STAGES tiles ahead of the other, as the operand ring bounds it)
-                for c in gl.static_range(EPI_SPLIT):
-                    exchange.index(2 * entry + CONSUMER).slice(c * EPI_N, EPI_N, dim=1).store(
-                        quantize.block_amax_bits(common.bf16_to_f32(h_stage.index(c).load(chunk_layout)), HALF_M, 1))
-                mbarrier.arrive(exchanged.index(entry))
-                mbarrier.wait(exchanged.index(entry), (tiles_done // (STAGES + 1)) & 1)
-            for c in gl.static_range(EPI_SPLIT):
-                h = h_stage.index(c).load(chunk_layout)
-                cols = n0 + c * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, chunk_layout))
-                _store_row_blocks(h, h_amax, outs.h_data, outs.h_scale, rows, rows < num_rows, cols, n_tile, inter,
-                                  inter // BLOCK_N, c == 0, rows_store)
-                if KEEPS_TOKENS:
-                    amax = gl.maximum(exchange.index(2 * entry).slice(c * EPI_N, EPI_N, dim=1).load(chunk_layout),
-                                      exchange.index(2 * entry + 1).slice(c * EPI_N, EPI_N, dim=1).load(chunk_layout))
-                    _, byte, scale, _ = quantize.quantize_by_amax(common.bf16_to_f32(h), amax, True, False)
-                    t_rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, tokens_store))
-                    t_cols = cols.to(gl.int64)
-                    gl.store(outs.h_tokens + gl.convert_layout(t_cols, gl.SliceLayout(0, tokens_store))[None, :]
-                             * num_rows + t_rows[:, None], gl.convert_layout(byte, tokens_store))
-                    if CONSUMER == 0:  # [I, R / 128]: one scale a column of the tile
-                        gl.store(outs.h_tokens_scale + t_cols[None, :] * (num_rows // BLOCK_M) + m_tile, scale)
-            tiles_done += 1
-
-    @gluon.jit
-    def _fp8_swiglu_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, outs, packed_ptr, tile_expert_ptr,
-                           expert_offsets_ptr, num_experts, sched_block_m, num_rows, inter, K, swiglu_limit,
-                           stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k,
-                           HAS_LIMIT: gl.constexpr, KEEPS_TOKENS: gl.constexpr, EPI_SPLIT: gl.constexpr,
-                           GROUP_M: gl.constexpr,
-                           STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           LOADER_REGS: gl.constexpr):
-        """The FP8 gate/up GEMM with SwiGLU and the quantizations in its epilogue (`gate_up_swiglu`): A [R, K]
-        rows, the joined weights [E * 2I, K] (w_gate over w_up), a tile's B is its gate rows over its up rows
-        ([2 * BLOCK_N, K], I % BLOCK_N == 0), outs a `SwigluOutputs`."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-        exchange = gl.allocate_shared_memory(gl.int32, [2 * (STAGES + 1), 1, BLOCK_N],
-                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        exchanged = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
-        # each consumer's h between the epilogue's two passes, in [64, BLOCK_N / EPI_SPLIT] column chunks
-        EPI_N: gl.constexpr = BLOCK_N // EPI_SPLIT
-        h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, EPI_N], gl.bfloat16)
-        h_stage_0 = gl.allocate_shared_memory(gl.bfloat16, [EPI_SPLIT, BLOCK_M // 2, EPI_N], h_layout)
-        h_stage_1 = gl.allocate_shared_memory(gl.bfloat16, [EPI_SPLIT, BLOCK_M // 2, EPI_N], h_layout)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)  # the loader's expect + the TMA bytes
-            mbarrier.init(empty.index(i), count=2)  # both consumers
-        for i in gl.static_range(STAGES + 1):
-            mbarrier.init(exchanged.index(i), count=2)  # both consumers' column amax
-        fence_async_shared()
-        num_n_tiles = inter // BLOCK_N
-        num_m_tiles = gl.load(expert_offsets_ptr + num_experts) // BLOCK_M  # used tiles only, no host sync
-        num_tiles = num_m_tiles * num_n_tiles
-        gl.warp_specialize([
-            (_swiglu_consumer, (a_bufs, b_bufs, ready, empty, exchange, exchanged, h_stage_0, a_scale_ptr, b_scale_ptr,
-                                outs, packed_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles,
-                                num_m_tiles, num_n_tiles, inter, K, num_rows, swiglu_limit, stride_as_m, stride_as_k,
-                                stride_bs_e, stride_bs_n, stride_bs_k, 0, HAS_LIMIT, KEEPS_TOKENS, EPI_SPLIT,
-                                GROUP_M, STAGES,
-                                NUM_PROGRAMS)),
-            (_swiglu_consumer, (a_bufs, b_bufs, ready, empty, exchange, exchanged, h_stage_1, a_scale_ptr, b_scale_ptr,
-                                outs, packed_ptr, tile_expert_ptr, expert_offsets_ptr, sched_block_m, num_tiles,
-                                num_m_tiles, num_n_tiles, inter, K, num_rows, swiglu_limit, stride_as_m, stride_as_k,
-                                stride_bs_e, stride_bs_n, stride_bs_k, 1, HAS_LIMIT, KEEPS_TOKENS, EPI_SPLIT,
-                                GROUP_M, STAGES,
-                                NUM_PROGRAMS)),
-            (_loader, (a_desc, b_desc, a_desc, b_desc, a_bufs, b_bufs, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                       expert_offsets_ptr, sched_block_m, num_tiles, num_m_tiles, num_n_tiles, 2 * inter, K, 0, 0, 0,
-                       "rows", GROUP_M, STAGES, NUM_PROGRAMS, 2)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-
     @functools.lru_cache(maxsize=None)
     def _fp8_layout(shape: tuple):
         return gl.NVMMASharedLayout.get_default_for(list(shape), gl.float8e4nv)
@@ -548,57 +341,6 @@ def weight_grad(a_data, a_scale, b_data, b_scale, schedule: Schedule, out, confi
             b_scale_group=1, out_strides=(out.stride(0), out.stride(1)), num_tiles_max=num_tiles_max,
             config=config, window=window)
     return out
-
-
-class SwigluOutputs(NamedTuple):
-    """What `gate_up_swiglu`'s epilogue writes (uint8 views of the E4M3 data; fp32 scales): h along I (data [R, I],
-    scale [R, I / 128]), the kept pre-activations along 2I in packed rows ([num_packed, 2I], [num_packed, 2I / 128])
-    and, where kept, h along tokens stored [I, R] ([I, R], [I, R / 128]; else None)."""
-
-    h_data: torch.Tensor
-    h_scale: torch.Tensor
-    kept_data: torch.Tensor
-    kept_scale: torch.Tensor
-    h_tokens: torch.Tensor | None
-    h_tokens_scale: torch.Tensor | None
-
-
-def gate_up_swiglu(x_rows: QuantizedTensor, gate_up: QuantizedTensor, schedule: Schedule, swiglu_limit,
-                   keeps_tokens: bool, config: Fp8GluonConfig | None = None):
-    """The fp8_blockwise forward's gate/up GEMM, SwiGLU and the quantizations of what follows, in one launch:
-    x_rows [R, H] along H (1 x 128), gate_up the joined weights [E, 2I, H] (128 x 128, w_gate over w_up). Returns
-    (h quantized along I [R, I], the gate/up pre-activations quantized along 2I in packed rows [num_packed, 2I],
-    h quantized along tokens and stored [I, R], or None unless keeps_tokens): the bits of the staged path
-    (`fp8_gemm.grouped_gemm`, `swiglu_rows.swiglu_fp8`, the along-tokens quantizer) on the used rows. Rows past
-    the used tiles are left unwritten; I % 128 == 0 (the caller's check)."""
-    num_rows, k = x_rows.data.shape
-    num_experts, two_inter, _ = gate_up.data.shape
-    inter = two_inter // 2
-    config = config or fp8_swiglu_config()
-    _check_config(config, swiglu=True)
-    device = x_rows.data.device
-    h_rows = quantize.empty_quantized((num_rows, inter), (num_rows, inter // BLOCK_K), True, device)
-    kept = quantize.empty_quantized((schedule.num_packed, two_inter), (schedule.num_packed, two_inter // BLOCK_K),
-                                    True, device)
-    h_tokens = quantize.empty_quantized((inter, num_rows), (inter, num_rows // BLOCK_M), True, device) \
-        if keeps_tokens else (None, None)
-    outs = SwigluOutputs(h_rows[0].view(torch.uint8), h_rows[1], kept[0].view(torch.uint8), kept[1],
-                         None if h_tokens[0] is None else h_tokens[0].view(torch.uint8), h_tokens[1])
-    num_tiles_max = (num_rows // BLOCK_M) * (inter // config.block_n)
-    if num_tiles_max:
-        num_programs = min(common.num_sms(device.index), num_tiles_max)
-        _fp8_swiglu_kernel[(num_programs,)](
-            _descriptor(x_rows.data, [BLOCK_M, BLOCK_K]),
-            _descriptor(gate_up.data.view(num_experts * two_inter, k), [config.block_n, BLOCK_K]),
-            x_rows.scale, gate_up.scale, outs, packed_index(schedule), schedule.tile_expert, schedule.expert_offsets,
-            num_experts, schedule.block_m, num_rows, inter, k, float(swiglu_limit or 0.0), *x_rows.scale.stride(),
-            *gate_up.scale.stride(), HAS_LIMIT=swiglu_limit is not None, KEEPS_TOKENS=keeps_tokens,
-            EPI_SPLIT=config.epi_split, GROUP_M=config.group_m, STAGES=config.stages,
-            NUM_PROGRAMS=num_programs, CONSUMER_REGS=232, LOADER_REGS=40,
-            num_warps=4, maxnreg=168)
-    block = (1, BLOCK_K)
-    return (QuantizedTensor(*h_rows, block, False), QuantizedTensor(*kept, block, False),
-            QuantizedTensor(*h_tokens, (BLOCK_M, 1), True) if keeps_tokens else None)
 
 
 def _scales_by_step(scale, tile: int):

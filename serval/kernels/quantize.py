@@ -62,26 +62,22 @@ def _div_by_block_scale(x, scale, recip):
 
 
 @triton.jit
-def block_amax_bits(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Step 2 of `serval.ops`' rule on a tile x (fp32) whose extent along a blocked dim equals the block: each
-    block's amax as an integer max over |bits| (exact, and NaN, whose bits are above Inf's, cannot be dropped by
-    the max); [TILE_R, 1] for (1, B) blocks, [1, TILE_C] for (B, 1), [1, 1] for (B, B). A kernel whose block
-    spans two programs' parts of a tile (`gluon_fp8`'s along-tokens blocks) takes the max of their results."""
+def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE: tl.constexpr,
+                    EXACT_ROUND: tl.constexpr):
+    """`serval.ops`' rule, steps 2-5, on a tile x (fp32, already the bf16-rounded values) whose extent along a
+    blocked dim equals the block: (e4m3 values, their bytes uint8, the stored scales, blocks with NaN / Inf).
+    The scales are [TILE_R, 1] for (1, B) blocks, [1, TILE_C] for (B, 1), [1, 1] for (B, B); fp32, or the E8M0
+    byte. Every kernel that quantizes (this module's, the SwiGLU row passes) calls it: one rule, one code."""
+    # amax as an integer max over |bits|: exact, and NaN (bits above Inf's) cannot be dropped by the max
     abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if BLOCK_R == 1:
-        return tl.max(abs_bits, axis=1, keep_dims=True)
+        amax_bits = tl.max(abs_bits, axis=1, keep_dims=True)  # [TILE_R, 1]
     elif BLOCK_C == 1:
-        return tl.max(abs_bits, axis=0, keep_dims=True)
+        amax_bits = tl.max(abs_bits, axis=0, keep_dims=True)  # [1, TILE_C]
     else:
-        return tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)
-
-
-@triton.jit
-def quantize_by_amax(x, amax_bits, FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
-    """Steps 3-5 of `serval.ops`' rule: x (fp32, already the bf16-rounded values) quantized with its blocks' amax
-    (`block_amax_bits`, broadcast against x): (e4m3 values, their bytes uint8, the stored scales shaped as
-    amax_bits, blocks with NaN / Inf)."""
+        amax_bits = tl.max(tl.max(abs_bits, axis=1, keep_dims=True), axis=0, keep_dims=True)  # [1, 1]
     bad = amax_bits >= 0x7F800000  # a NaN or Inf in the block
+
     if FP32_SCALE:
         amax = amax_bits.to(tl.float32, bitcast=True)
         scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
@@ -101,18 +97,8 @@ def quantize_by_amax(x, amax_bits, FP32_SCALE: tl.constexpr, EXACT_ROUND: tl.con
     else:
         e4m3 = q.to(tl.float8e4nv)  # cvt.rn.satfinite
     byte = tl.where(bad, 0x7F, e4m3.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
+
     return e4m3, byte, stored_scale, bad
-
-
-@triton.jit
-def quantize_values(x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_SCALE: tl.constexpr,
-                    EXACT_ROUND: tl.constexpr):
-    """`serval.ops`' rule, steps 2-5, on a tile x (fp32, already the bf16-rounded values) whose extent along a
-    blocked dim equals the block: (e4m3 values, their bytes uint8, the stored scales, blocks with NaN / Inf).
-    The scales are [TILE_R, 1] for (1, B) blocks, [1, TILE_C] for (B, 1), [1, 1] for (B, B); fp32, or the E8M0
-    byte. Every kernel that quantizes (this module's, the SwiGLU row passes and epilogues) calls it or its two
-    steps: one rule, one code."""
-    return quantize_by_amax(x, block_amax_bits(x, BLOCK_R, BLOCK_C), FP32_SCALE, EXACT_ROUND)
 
 
 @triton.jit
