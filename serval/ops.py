@@ -1,5 +1,5 @@
-"""Standalone tensor ops: FP8 block quantization (`quantize`, and `mxfp8_quantize` of the contract) and its
-inverse (`dequantize`).
+"""Standalone tensor ops: FP8 block quantization (`quantize`, and `mxfp8_quantize` of the contract), its
+inverse (`dequantize`), and the two in one pass that keeps no quantized copy (`round_trip`).
 
 Two formats, E4M3 elements (`torch.float8_e4m3fn`, largest normal 448) with one scale per block:
   * "e8m0": MXFP8 (OCP Microscaling): the scale is a power of two, stored as a biased exponent byte,
@@ -62,6 +62,22 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
     row_source is -1; the schedule's routed rows of tokens t) without making them first; row_scale is then [R'].
     The rule, NaN handling and check_finite: the module docstring.
     """
+    return _quantize(t, block, scale_format, transpose, row_scale, dequantized, check_finite, backend, out, rows_of,
+                     quantized=True)
+
+
+def round_trip(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", row_scale: torch.Tensor | None = None,
+               backend: str = "auto", rows_of: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+    """`quantize(t, ..., dequantized=True)`'s dequantized values, bit for bit, without the quantized copy: no E4M3
+    data or scales are stored (the kernel) or kept (the reference). What GEMMs that run in bf16 on quantized
+    operands read (mxfp8 on Hopper, `serval.precision`); arguments as `quantize`'s."""
+    return _quantize(t, block, scale_format, False, row_scale, True, False, backend, None, rows_of,
+                     quantized=False)[1]
+
+
+def _quantize(t, block, scale_format, transpose, row_scale, dequantized, check_finite, backend, out, rows_of,
+              quantized: bool):
+    """`quantize`, and with quantized False `round_trip` ((None, dequantized))."""
     if rows_of is not None:
         row_source, top_k = rows_of
         if (not isinstance(t, torch.Tensor) or t.dim() != 2 or not isinstance(row_source, torch.Tensor)
@@ -91,14 +107,17 @@ def quantize(t: torch.Tensor, *, block=(1, 32), scale_format: str = "e8m0", tran
         from .kernels.quantize import quantize as quantize_kernel
 
         data, scale, deq = quantize_kernel(t3, block, scale_format == "fp32", transpose, row_scale, dequantized,
-                                           out3, rows_of)
+                                           out3, rows_of, quantized)
     else:
         data, scale, deq = _quantize_torch(t3, block, scale_format, transpose, row_scale, dequantized)
         if out3 is not None:
             data, scale = out3[0].copy_(data), out3[1].copy_(scale)
     if squeeze:
-        data, scale = data[0], scale[0]
         deq = deq[0] if deq is not None else None
+    if not quantized:
+        return None, deq
+    if squeeze:
+        data, scale = data[0], scale[0]
     if check_finite:
         bad = scale.isnan().any() if scale_format == "fp32" else (scale == 255).any()
         if bad:

@@ -6,8 +6,8 @@ Two recipes (`RECIPES`), the same data flow, quantized with `serval.ops.quantize
 
 * "mxfp8" (MoK's recipe): E4M3 with one E8M0 (power-of-two) scale per 32 elements along the GEMM's K.
   Hopper has no block-scaled tensor cores, and an E4M3 value times 2^k is exact in bf16, so each operand is
-  quantized and dequantized to bf16 in one pass and the BF16 engines run the GEMMs: the products and the
-  fp32 sums are those of an MXFP8 GEMM, up to accumulation order.
+  quantized and dequantized to bf16 in one pass that keeps no E4M3 copy (`ops.round_trip`) and the BF16 engines
+  run the GEMMs: the products and the fp32 sums are those of an MXFP8 GEMM, up to accumulation order.
 * "fp8_blockwise" (the DeepSeek-V3 recipe): E4M3 with fp32 scales, 1x128 blocks for activations and
   gradients, 128x128 for weights; the block-scaled FP8 GEMMs (`serval.kernels.fp8_gemm`) apply the scales
   once per 128-K step. Needs I % 128 == 0 (a 128x128 weight block must not straddle w_gate and w_up) and
@@ -60,7 +60,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from . import stages, weight_layout
-from .ops import dequantize, quantize, quantize_both_layouts
+from .ops import dequantize, quantize, quantize_both_layouts, round_trip
 from .peers import push_keywords
 from .schedule import Schedule
 from .values import QuantizedTensor
@@ -81,24 +81,30 @@ class Recipe:
     fp8_gemm: bool
     quantize_backend: Literal["auto", "triton"] = "auto"
 
-    def rows(self, t: torch.Tensor, *, keep: bool = False, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
-        """t [R, C] quantized along C; with the exact dequantized values where the GEMMs run in BF16, unless
-        the copy is only kept for backward (`keep`)."""
-        return quantize(t, block=(1, self.block), scale_format=self.scale_format,
-                        dequantized=not (self.fp8_gemm or keep), backend=self.quantize_backend, **kwargs)
+    def rows(self, t: torch.Tensor, *, keep: bool = False, **kwargs
+             ) -> tuple[QuantizedTensor | None, torch.Tensor | None]:
+        """t [R, C] quantized along C: (the quantized copy, None) where the GEMMs run in FP8 or the copy is kept for
+        backward (`keep`), else (None, its exact dequantized values: `round_trip`, no quantized copy made)."""
+        return self._quantized(t, (1, self.block), False, keep, **kwargs)
 
-    def tokens(self, t: torch.Tensor, *, keep: bool = False, **kwargs) -> tuple[QuantizedTensor, torch.Tensor | None]:
-        """t [R, C] quantized along R (tokens); stored [C, R] (K-contiguous for an FP8 weight gradient) when
-        the GEMMs run in FP8, else [R, C] with its dequantized values (unless only kept: `keep`)."""
-        return quantize(t, block=(self.block, 1), scale_format=self.scale_format, transpose=self.fp8_gemm,
-                        dequantized=not (self.fp8_gemm or keep), backend=self.quantize_backend, **kwargs)
+    def tokens(self, t: torch.Tensor, *, keep: bool = False, **kwargs
+               ) -> tuple[QuantizedTensor | None, torch.Tensor | None]:
+        """t [R, C] quantized along R (tokens), as `rows`; the quantized copy stored [C, R] (K-contiguous for an
+        FP8 weight gradient) when the GEMMs run in FP8."""
+        return self._quantized(t, (self.block, 1), self.fp8_gemm, keep, **kwargs)
+
+    def _quantized(self, t, block, transpose: bool, keep: bool, **kwargs):
+        if self.fp8_gemm or keep:
+            return quantize(t, block=block, scale_format=self.scale_format, transpose=transpose,
+                            backend=self.quantize_backend, **kwargs)[0], None
+        return None, round_trip(t, block=block, scale_format=self.scale_format, backend=self.quantize_backend,
+                                **kwargs)
 
     def weight(self, w: torch.Tensor, k_dim: int):
         """Expert weights [E, A, B] as BF16 GEMMs whose K is dim `k_dim` (1 or 2) read them: dequantized bf16 in
         w's layout, blocks along K (the FP8 GEMMs' 128 x 128 blocks: `gemm_weights`)."""
         block = (1, self.block) if k_dim == 2 else (self.block, 1)
-        return quantize(w, block=block, scale_format=self.scale_format, dequantized=True,
-                        backend=self.quantize_backend)[1]
+        return round_trip(w, block=block, scale_format=self.scale_format, backend=self.quantize_backend)
 
     @property
     def fused_passes(self) -> bool:
@@ -451,23 +457,27 @@ def expert_weight_grads(ops, recipe: Recipe, d_y, d_y_rows, x, x_rows, d_gate_up
     one with outputs (d_w_gate, d_w_up) and carries [2I, H]), whose outputs they write; the along-tokens blocks lie
     whole in a window (its rows start on a block_m boundary, a multiple of the block)."""
     dtype = x.dtype
+    down_window, gate_up_window = windows or (None, None)
+    # each gradient's along-tokens operands are made just before its GEMM and freed after it (peak memory)
     d_y_tokens, d_y_tokens_deq = _rows_quantized(d_y, d_y_rows, schedule,
                                                  lambda t, **kw: recipe.tokens(t, row_scale=row_rw, **kw))
+    if recipe.fp8_gemm:
+        d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule, **_window(down_window))
+    else:
+        d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule,
+                                        **_window(down_window))
+    del d_y_tokens, d_y_tokens_deq
     d_gate_up_tokens, d_gate_up_tokens_deq = d_gate_up_tokens
     x_tokens, x_tokens_deq = _rows_quantized(x, x_rows, schedule, recipe.tokens)
-    down_window, gate_up_window = windows or (None, None)
     inter = w_gate.shape[1]
     out = weight_layout.grad_buffers(w_gate, w_up) if gate_up_window is None else (None, None)
     if recipe.fp8_gemm:
-        d_w_down = ops.fp8_weight_grad(d_y_tokens, kept.h_tokens, schedule, **_window(down_window))
         # one GEMM per half of d_gate_up's rows: each writes its weight's gradient contiguous (no copy), each
         # window with its half of the carries
         d_w_gate, d_w_up = (ops.fp8_weight_grad(_row_slice(d_gate_up_tokens, half * inter, inter), x_tokens, schedule,
                                                 **_window(_half(gate_up_window, half, inter)), **_out(out[half]))
                             for half in (0, 1))
     else:
-        d_w_down = ops.down_weight_grad(d_y_tokens_deq, dequantize(kept.h_tokens, dtype), schedule,
-                                        **_window(down_window))
         d_w_gate, d_w_up = ops.gate_up_weight_grad(d_gate_up_tokens_deq, x_tokens_deq, schedule,
                                                    x_rows=x_tokens_deq, **_window(gate_up_window),
                                                    **_out(None if gate_up_window else out))

@@ -557,3 +557,60 @@ def test_both_layouts_from_one_read(backend, block, scale_format):
                                                                                      bits(want[1].scale))
     with pytest.raises(ValueError, match="square blocks"):
         ops.quantize_both_layouts(w, block=(1, 128), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block,scale_format", [((1, 32), "e8m0"), ((32, 1), "e8m0"), ((1, 128), "fp32"),
+                                                ((128, 1), "fp32"), ((32, 32), "e8m0")])
+def test_round_trip_is_quantize_dequantized(backend, block, scale_format, monkeypatch):
+    """round_trip: quantize(..., dequantized=True)'s dequantized values bit for bit (with row_scale, rows_of, a 3-D
+    t, NaN), and no quantized copy made: the kernel allocates only the values it returns."""
+    device = "cuda" if backend == "triton" and CUDA else "cpu"
+    t = varied(96, 200, seed=5).to(device)
+    t[3, 7] = float("nan")
+    gen = torch.Generator().manual_seed(4)
+    row_source = torch.randint(-1, 96 * 2, (160,), generator=gen, dtype=torch.int32).to(device)
+    rw = torch.rand(160, generator=gen).to(device)
+    cases = [(t, {}), (t.reshape(2, 48, 200), {}), (t, dict(rows_of=(row_source, 2), row_scale=rw))]
+    for source, kwargs in cases:
+        kwargs.update(block=block, scale_format=scale_format, backend=backend)
+        got = ops.round_trip(source, **kwargs)
+        want = ops.quantize(source, dequantized=True, **kwargs)[1]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert same_bits(got, want)
+    if backend == "triton":
+        from serval.kernels import common
+        made = []
+        real_empty = common.empty
+        monkeypatch.setattr(common, "empty", lambda *a: made.append(a[1]) or real_empty(*a))
+        ops.round_trip(t, block=block, scale_format=scale_format, backend=backend)
+        assert made == [torch.bfloat16 if scale_format == "e8m0" else torch.float32], made
+
+
+ROUND_TRIP_CHILD = r"""
+import sys
+import torch
+sys.path.insert(0, "tests")
+from sm90 import compile_launch_in_this_child
+from serval.kernels import quantize
+
+block, fp32_scale, quantized = (int(sys.argv[1]), int(sys.argv[2])), sys.argv[3] == "fp32", sys.argv[4] == "1"
+compile_launch_in_this_child(quantize, "_quantize_kernel", lambda: quantize.quantize(
+    torch.zeros(1, 256, 512, dtype=torch.bfloat16), block, fp32_scale, False, None, True, quantized=quantized),
+    sys.argv[5])
+"""
+
+
+@pytest.mark.parametrize("block,scale_format", [((1, 32), "e8m0"), ((32, 1), "e8m0"), ((1, 128), "fp32")])
+def test_round_trip_kernel_compiles_for_sm90_storing_only_its_values(block, scale_format, tmp_path):
+    """The quantizer's round-trip variant (no quantized copy) compiles for sm_90a without a GPU, with fewer global
+    stores than the quantizer that also stores the E4M3 data and scales."""
+    from sm90 import compile_in_child
+
+    stores = []
+    for quantized in (0, 1):
+        path = tmp_path / str(quantized)
+        path.mkdir()
+        compile_in_child(ROUND_TRIP_CHILD, [*block, scale_format, quantized], path)
+        stores.append(sum("st.global" in line for line in (path / "kernel.ptx").read_text().splitlines()))
+    assert 0 < stores[0] < stores[1], f"global stores: round trip {stores[0]}, with the quantized copy {stores[1]}"

@@ -5,7 +5,8 @@ Each program takes one 2-D tile of one source matrix (the batch index E is grid 
 blocked dimension equals the block size, so every block lies whole in one tile and its amax is one reduction
 (no reshapes): (1, B) blocks use tiles [TR, B], (B, 1) tiles [B, TC], (B, B) tiles [B, B]. Constexpr variants:
 block shape, scale format (E8M0 byte or fp32), transposed store (the tile is `tl.trans`-ed in registers so
-that both the load and the store run along contiguous rows), a per-row scale, and the dequantized output.
+that both the load and the store run along contiguous rows), a per-row scale, and the dequantized output (also
+alone: a round trip that stores no quantized copy, `serval.ops.round_trip`).
 
 The numerics are the rule in `serval.ops` (its docstring), done with explicit bit arithmetic wherever a cast
 would round differently under the interpreter than on the GPU, so that the interpreter tests check the code
@@ -141,8 +142,8 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
                      n_scale_c, n_tiles_c,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
                      FP32_SCALE: tl.constexpr, TRANSPOSE: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-                     ROUND_INPUT: tl.constexpr, DEQUANTIZED: tl.constexpr, GATHER: tl.constexpr,
-                     EXACT_ROUND: tl.constexpr):
+                     ROUND_INPUT: tl.constexpr, DEQUANTIZED: tl.constexpr, STORE_QUANTIZED: tl.constexpr,
+                     GATHER: tl.constexpr, EXACT_ROUND: tl.constexpr):
     # scales per tile along rows / columns: 1 along a blocked dim (tile == block), the tile extent along the other
     SR: tl.constexpr = TILE_R // BLOCK_R
     SC: tl.constexpr = TILE_C // BLOCK_C
@@ -175,13 +176,13 @@ def _quantize_kernel(t_ptr, stride_te, stride_tr, stride_tc, row_scale_ptr, row_
     out_rows = tile_r * SR + tl.arange(0, SR)
     out_cols = tile_c * SC + tl.arange(0, SC)
     scale_mask = (out_rows < n_scale_r)[:, None] & (out_cols < n_scale_c)[None, :]
-    if TRANSPOSE:
+    if STORE_QUANTIZED and TRANSPOSE:
         # [TILE_C, TILE_R] in registers: rows of TILE_R bytes along R, as contiguous as the load's rows along C
         tl.store(data_ptr + e * stride_de + cols.to(tl.int64)[:, None] * stride_dr + rows[None, :], tl.trans(byte),
                  mask=(cols < C)[:, None] & (rows < R)[None, :])
         tl.store(scale_ptr + e * stride_se + out_cols[None, :] * stride_sr + out_rows[:, None],
                  stored_scale, mask=scale_mask)
-    else:
+    elif STORE_QUANTIZED:
         tl.store(data_ptr + e * stride_de + rows.to(tl.int64)[:, None] * stride_dr + cols[None, :], byte, mask=mask)
         tl.store(scale_ptr + e * stride_se + out_rows[:, None] * stride_sr + out_cols[None, :],
                  stored_scale, mask=scale_mask)
@@ -239,12 +240,13 @@ def empty_quantized(data_shape, scale_shape, fp32_scale: bool, device) -> tuple[
 
 
 def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpose: bool,
-             row_scale: torch.Tensor | None, dequantized: bool, out=None, rows_of=None):
+             row_scale: torch.Tensor | None, dequantized: bool, out=None, rows_of=None, quantized: bool = True):
     """The kernel on t [E, R, C] (any strides): (data float8_e4m3fn, scale uint8 or fp32, dequantized or None),
     data/scale [E, C, R] / [E, nC, nR] when transpose, else [E, R, C] / [E, nR, nC]; written into `out`'s
     (data, scale) views when given (last dims contiguous). rows_of = (row_source [R'], top_k): the rows
-    t[row_source // top_k] (zeros where -1) in place of t's, R' of them. Arguments are checked by
-    `serval.ops.quantize`."""
+    t[row_source // top_k] (zeros where -1) in place of t's, R' of them. quantized False (with dequantized): the
+    dequantized values only, data and scale None and never stored (`serval.ops.round_trip`). Arguments are checked
+    by `serval.ops.quantize`."""
     num_e, R, C = t.shape
     if rows_of is not None:
         R = rows_of[0].shape[0]
@@ -253,9 +255,11 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
     device = t.device
     if out is not None:
         data, scale = out
-    else:
+    elif quantized:
         data, scale = empty_quantized((num_e, C, R) if transpose else (num_e, R, C),
                                       (num_e, n_c, n_r) if transpose else (num_e, n_r, n_c), fp32_scale, device)
+    else:
+        data, scale = None, None
     deq = common.empty((num_e, R, C), torch.float32 if fp32_scale else torch.bfloat16, device) if dequantized else None
     tile_r, tile_c, num_warps = quantize_tiles(block)
     n_tiles_c = common.cdiv(C, tile_c)
@@ -264,12 +268,13 @@ def quantize(t: torch.Tensor, block: tuple[int, int], fp32_scale: bool, transpos
         _quantize_kernel[grid](
             t, t.stride(0), t.stride(1), t.stride(2), row_scale.contiguous() if row_scale is not None else t,
             rows_of[0] if rows_of is not None else t, rows_of[1] if rows_of is not None else 1,
-            data.view(torch.uint8), data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-            deq if deq is not None else data, R, C, n_r, n_c, n_tiles_c,
+            data.view(torch.uint8) if quantized else None, data.stride(0) if quantized else 0,
+            data.stride(1) if quantized else 0, scale, scale.stride(0) if quantized else 0,
+            scale.stride(1) if quantized else 0, deq if deq is not None else data, R, C, n_r, n_c, n_tiles_c,
             BLOCK_R=br, BLOCK_C=bc, TILE_R=tile_r, TILE_C=tile_c,
             FP32_SCALE=fp32_scale, TRANSPOSE=transpose, HAS_ROW_SCALE=row_scale is not None,
             ROUND_INPUT=t.dtype != torch.bfloat16 or row_scale is not None, DEQUANTIZED=dequantized,
-            GATHER=rows_of is not None, EXACT_ROUND=common.INTERPRET,
+            STORE_QUANTIZED=quantized, GATHER=rows_of is not None, EXACT_ROUND=common.INTERPRET,
             num_warps=num_warps,
         )
     return data, scale, deq
