@@ -332,6 +332,34 @@ def test_ncu_layer_parse():
     assert list(launches) == ["  0 gemm", "  1 gemm", "  2 gather"] and launches["  1 gemm"]["tensor_pct"] == 40.0
 
 
+def test_kernel_split_names_every_kernel():
+    """tools/kernel_split.py gives every kernel serval launches (each `*_kernel` function of serval/kernels) a kind
+    of its own, and names no kernel that is gone."""
+    import kernel_split
+
+    names = set()
+    for name in os.listdir(os.path.join(ROOT, "serval", "kernels")):
+        if name.endswith(".py"):
+            source = open(os.path.join(ROOT, "serval", "kernels", name)).read()
+            names |= set(re.findall(r"^ *def (\w+_kernel)\(", source, re.M))
+    assert names == set(kernel_split.KINDS), sorted(names ^ set(kernel_split.KINDS))
+    assert kernel_split.kind("void at::native::vectorized_elementwise_kernel<4>") == "torch ops"
+
+
+@pytest.mark.skipif(not CUDA, reason="kernel_split.py splits GPU kernel time: needs a CUDA GPU")
+def test_kernel_split_tiny(tmp_path):
+    """tools/kernel_split.py --tiny: a record per precision whose kinds add up to its GPU time."""
+    out = tmp_path / "split.jsonl"
+    run_script(os.path.join(TOOLS, "kernel_split.py"), "--tiny", "--shapes", "tiny-a", "--precisions", "bf16,mxfp8",
+               "--out", str(out))
+    records = [json.loads(line) for line in open(out)]
+    assert [r["precision"] for r in records] == ["bf16", "mxfp8"]
+    for r in records:
+        assert r["gpu_ms"] > 0 and r["wall_ms"] > 0 and r["peak_gib"] > 0
+        assert sum(r["kinds"].values()) == pytest.approx(r["gpu_ms"], abs=1e-2)
+    assert any("BF16 GEMMs" in r["kinds"] for r in records)
+
+
 NCU = shutil.which("ncu") or (os.path.exists("/usr/local/cuda/bin/ncu") and "/usr/local/cuda/bin/ncu")
 
 
