@@ -355,7 +355,7 @@ def test_kernel_split_tiny(tmp_path):
     records = [json.loads(line) for line in open(out)]
     assert [r["precision"] for r in records] == ["bf16", "mxfp8"]
     for r in records:
-        assert r["gpu_ms"] > 0 and r["wall_ms"] > 0 and r["peak_gib"] > 0
+        assert r["gpu_ms"] > 0 and r["wall_ms"] > 0 and r["peak_gib"] >= 0  # a tiny step's peak rounds to 0 GiB
         assert sum(r["kinds"].values()) == pytest.approx(r["gpu_ms"], abs=1e-2)
     assert any("BF16 GEMMs" in r["kinds"] for r in records)
 
