@@ -21,6 +21,7 @@ dtype and device, and the workspace, so the forward and the backward of one call
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal, NamedTuple
 
 import torch
@@ -152,10 +153,17 @@ def plan_pass(config: Config, x: torch.Tensor, w_gate: torch.Tensor, shared=None
     expert's weights or None, and the workspace (None at EP=1 without one)."""
     ops = select_backend(config, x, w_gate, shared)
     recipe = precision.recipe_of(config.precision)
-    if recipe is not None and ops is not stages:  # the kernels' pass quantizes with the kernels, on the CPU too
-        recipe = dataclasses.replace(recipe, quantize_backend="triton")
+    if recipe is not None and ops is not stages:
+        recipe = _quantized_by_kernels(recipe)
     return _plan(ops, recipe, x.dtype, w_gate.shape[1], shared is not None,
                  None if workspace is None or workspace.transport is None else workspace)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized_by_kernels(recipe: precision.Recipe) -> precision.Recipe:
+    """The recipe a pass on the kernels runs: its quantizations by the quantizer kernels, on the CPU too (made once
+    per recipe, not per call)."""
+    return dataclasses.replace(recipe, quantize_backend="triton")
 
 
 def _plan(ops, recipe, dtype: torch.dtype, inter: int, has_shared: bool, workspace) -> PassPlan:
