@@ -46,7 +46,10 @@ compared with torch_grouped_mm's (relative error ||a-b||/||b||; this first call 
 above --tol (FP8: max(--tol, 0.1)) it is not timed (ms None, error "mismatch").
 
 Timing protocol (CUDA), per (implementation, pass): --warmup calls, then about --soak seconds (default 2) of
-back-to-back calls, then --iters timed calls (CUDA events around each, no sync in between); ms is their median.
+back-to-back calls, then --iters timed calls (CUDA events around each, no sync in between); ms is their median,
+host_ms the median host time to enqueue one call onto an idle GPU (perf_counter around it; 5 calls before the
+soak, each after a sync). Where host_ms reaches 0.9 x ms the host cannot keep the GPU busy and the GPU waits
+between calls: the line is marked "host-bound", its ms is the host's pace more than the kernels'.
 An H200 runs these GEMMs at its 700 W power cap, where the SM clock settles at 1410-1520 MHz instead of its
 idle 1980 (BENCHMARKS.md, Method): timed without the soak, whichever implementation runs right after an idle
 moment gets a faster GPU. The same protocol times a dense bf16 torch.matmul (8192^3), the ceiling of the table
@@ -58,8 +61,9 @@ FLOPs as docs/CONTRACT.md counts them: forward = 6 * (N + N*k) * H * I for scope
 rows, Is = I), 6 * N*k * H * I for "routed"; backward = 2 x forward, so "fwdbwd" counts 3 x forward.
 TFLOP/s = FLOPs / ms.
 
-Each record appended to --out: {shape, impl, precision, settings, scope, pass, ms, tflops, saved_mem_gib, peak_mem_gib,
-rel_err, rel_errs, error, soak_s, sm_clock_mhz, power_w, date, gpu, torch, triton}. settings: a variant's
+Each record appended to --out: {shape, impl, precision, settings, scope, pass, ms, host_ms, tflops, saved_mem_gib,
+peak_mem_gib, rel_err, rel_errs, error, soak_s, sm_clock_mhz, power_w, date, gpu, torch, triton} (host_ms: CUDA
+only). settings: a variant's
 settings (None otherwise); rel_err: the largest of rel_errs. saved_mem_gib: memory the autograd graph holds after
 one forward, minus y; peak_mem_gib: peak of one timed call above the memory allocated before it (CUDA only).
 sm_clock_mhz, power_w: medians of nvidia-smi samples over the timed calls (None without nvidia-smi).
@@ -540,8 +544,22 @@ def variant_config(settings, x):
 # measuring
 
 
+HOST_BOUND = 0.9  # host_ms / ms from which a timed call is marked host-bound (the GPU waited between calls)
+
+
+class Timing(NamedTuple):
+    ms: float  # median milliseconds of one call: CUDA events on the GPU, perf_counter on the CPU
+    host_ms: float | None  # CUDA: median host milliseconds to enqueue one call (the GPU idles where it nears ms)
+
+
 def time_ms(fn, warmup, iters, device, soak_s=0.0):
-    """Median milliseconds of fn() over iters calls, after warmup calls.
+    """Median milliseconds of fn() over iters calls, after warmup calls (`time_calls`' ms)."""
+    return time_calls(fn, warmup, iters, device, soak_s).ms
+
+
+def time_calls(fn, warmup, iters, device, soak_s=0.0) -> Timing:
+    """Median milliseconds of fn() over iters calls, after warmup calls, and (CUDA) of the host's time to enqueue
+    one.
 
     soak_s (CUDA): before the timed calls, keep the GPU busy with fn() for about that many seconds, with
     no sync between the soak and the timed calls. An H200 runs GEMM-heavy work at its 700 W cap: the SM
@@ -557,7 +575,15 @@ def time_ms(fn, warmup, iters, device, soak_s=0.0):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return Timing(statistics.median(times), None)
+    # the host's pace apart, before the soak: each call enqueued onto an idle GPU (behind the soak, a full launch
+    # queue would hold the host to the GPU's pace)
+    host = []
+    for _ in range(min(iters, 5)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
     if soak_s > 0:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -572,7 +598,7 @@ def time_ms(fn, warmup, iters, device, soak_s=0.0):
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return Timing(statistics.median(start.elapsed_time(end) for start, end in events), statistics.median(host))
 
 
 class GpuMonitor:
@@ -825,7 +851,7 @@ def bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, s
     tol = max(args.tol, FP8_TOL) if precision != "bf16" else args.tol
     settings = [f"{path}={value!r}" for path, value in settings] if settings is not None else None
     records = [dict(shape=shape_name, impl=label, precision=precision, settings=settings, scope=scope, **{"pass": ps},
-                    ms=None, tflops=None,
+                    ms=None, host_ms=None, tflops=None,
                     saved_mem_gib=None, peak_mem_gib=None, rel_err=None, rel_errs=None, error=None, soak_s=args.soak,
                     sm_clock_mhz=None, power_w=None, **info)
                for ps in passes]
@@ -847,14 +873,15 @@ def bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, s
             continue
         fn = pass_fn(impl, p, topk_ids, dy, ps)
         try:
-            rec["ms"] = time_ms(fn, args.warmup, args.iters, device, args.soak)
+            rec["ms"], rec["host_ms"] = time_calls(fn, args.warmup, args.iters, device, args.soak)
             rec["sm_clock_mhz"], rec["power_w"] = monitor.window(rec["ms"] * args.iters / 1e3)
             rec["tflops"] = flops(shape, scope, ps) / (rec["ms"] * 1e-3) / 1e12
             mem = f"  {rec['sm_clock_mhz']:5.0f} MHz {rec['power_w']:4.0f} W" if rec["sm_clock_mhz"] else ""
             if device.type == "cuda":
                 rec["saved_mem_gib"], rec["peak_mem_gib"] = memory_gib(impl, p, topk_ids, fn)
                 mem += f"  saved {rec['saved_mem_gib']:6.2f} GiB  peak {rec['peak_mem_gib']:6.2f} GiB"
-            print(f"{tag} {ps:<6} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s{mem}")
+            bound = "  host-bound" if rec["host_ms"] is not None and rec["host_ms"] >= HOST_BOUND * rec["ms"] else ""
+            print(f"{tag} {ps:<6} {rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s{mem}{bound}")
         except Exception as e:  # e.g. out of memory: keep going with the next one
             print(f"{tag} {ps:<6} FAILED: {type(e).__name__}: {e}")
             rec["error"] = f"{type(e).__name__}: {e}"

@@ -116,6 +116,7 @@ def test_bench_layer_tiny(tmp_path):
     for r in records:
         assert r["error"] is None and r["ms"] > 0 and r["tflops"] > 0, r
         assert r["rel_err"] < 3e-2 and r["soak_s"] == 0.1 and r["settings"] is None
+        assert r["host_ms"] > 0 if CUDA else r["host_ms"] is None, r  # the host's pace: CUDA only
 
 
 def test_bench_layer_fp8_weights_once_per_step(tmp_path):
