@@ -62,9 +62,8 @@ rows, Is = I), 6 * N*k * H * I for "routed"; backward = 2 x forward, so "fwdbwd"
 TFLOP/s = FLOPs / ms.
 
 Each record appended to --out: {shape, impl, precision, settings, scope, pass, ms, host_ms, tflops, saved_mem_gib,
-peak_mem_gib, rel_err, rel_errs, error, soak_s, sm_clock_mhz, power_w, date, gpu, torch, triton} (host_ms: CUDA
-only). settings: a variant's
-settings (None otherwise); rel_err: the largest of rel_errs. saved_mem_gib: memory the autograd graph holds after
+peak_mem_gib, rel_err, rel_errs, error, soak_s, sm_clock_mhz, power_w, date, gpu, torch, triton}. settings: a
+variant's settings (None otherwise); host_ms: CUDA only; rel_err: the largest of rel_errs. saved_mem_gib: memory the autograd graph holds after
 one forward, minus y; peak_mem_gib: peak of one timed call above the memory allocated before it (CUDA only).
 sm_clock_mhz, power_w: medians of nvidia-smi samples over the timed calls (None without nvidia-smi).
 """
