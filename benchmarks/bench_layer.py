@@ -543,22 +543,23 @@ def variant_config(settings, x):
 # measuring
 
 
+HOST_CALLS = 5  # calls whose host time gives a record's host_ms
 HOST_BOUND = 0.9  # host_ms / ms from which a timed call is marked host-bound (the GPU waited between calls)
 
 
 class Timing(NamedTuple):
     ms: float  # median milliseconds of one call: CUDA events on the GPU, perf_counter on the CPU
-    host_ms: float | None  # CUDA: median host milliseconds to enqueue one call (the GPU idles where it nears ms)
+    host_ms: float | None  # CUDA, host_calls > 0: median host milliseconds to enqueue one call onto an idle GPU
 
 
 def time_ms(fn, warmup, iters, device, soak_s=0.0):
-    """Median milliseconds of fn() over iters calls, after warmup calls (`time_calls`' ms)."""
+    """Median milliseconds of fn() over iters calls, after warmup calls (`time_calls`' ms, no host calls)."""
     return time_calls(fn, warmup, iters, device, soak_s).ms
 
 
-def time_calls(fn, warmup, iters, device, soak_s=0.0) -> Timing:
-    """Median milliseconds of fn() over iters calls, after warmup calls, and (CUDA) of the host's time to enqueue
-    one.
+def time_calls(fn, warmup, iters, device, soak_s=0.0, host_calls=0) -> Timing:
+    """Median milliseconds of fn() over iters calls, after warmup calls, and (CUDA, host_calls > 0) the median
+    host time to enqueue one call onto an idle GPU over host_calls more, each after a sync.
 
     soak_s (CUDA): before the timed calls, keep the GPU busy with fn() for about that many seconds, with
     no sync between the soak and the timed calls. An H200 runs GEMM-heavy work at its 700 W cap: the SM
@@ -578,7 +579,7 @@ def time_calls(fn, warmup, iters, device, soak_s=0.0) -> Timing:
     # the host's pace apart, before the soak: each call enqueued onto an idle GPU (behind the soak, a full launch
     # queue would hold the host to the GPU's pace)
     host = []
-    for _ in range(min(iters, 5)):
+    for _ in range(host_calls):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -597,7 +598,8 @@ def time_calls(fn, warmup, iters, device, soak_s=0.0) -> Timing:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return Timing(statistics.median(start.elapsed_time(end) for start, end in events), statistics.median(host))
+    return Timing(statistics.median(start.elapsed_time(end) for start, end in events),
+                  statistics.median(host) if host else None)
 
 
 class GpuMonitor:
@@ -872,7 +874,7 @@ def bench_impl(name, impl, prepare, settings, precision, inp, ref, shape_name, s
             continue
         fn = pass_fn(impl, p, topk_ids, dy, ps)
         try:
-            rec["ms"], rec["host_ms"] = time_calls(fn, args.warmup, args.iters, device, args.soak)
+            rec["ms"], rec["host_ms"] = time_calls(fn, args.warmup, args.iters, device, args.soak, HOST_CALLS)
             rec["sm_clock_mhz"], rec["power_w"] = monitor.window(rec["ms"] * args.iters / 1e3)
             rec["tflops"] = flops(shape, scope, ps) / (rec["ms"] * 1e-3) / 1e12
             mem = f"  {rec['sm_clock_mhz']:5.0f} MHz {rec['power_w']:4.0f} W" if rec["sm_clock_mhz"] else ""
